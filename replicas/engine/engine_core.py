@@ -1,0 +1,195 @@
+"""The synchronous engine: admission checks, and one step = schedule, run, sample, emit.
+
+``EngineCore`` is driven by one thread (the async engine's loop); nothing in it is thread-safe.
+It owns the scheduler, the block manager, the model runner and the sampler, and turns each
+step's samples into ``Chunk`` objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from replicas.engine.block_manager import BlockManager
+from replicas.engine.config import EngineConfig
+from replicas.engine.errors import InvalidRequestError
+from replicas.engine.interface import Chunk, FinishReason, GenerateRequest, LoadSnapshot
+from replicas.engine.loader import ModelSource, load_model_source
+from replicas.engine.model_runner import CacheShape, ModelRunner
+from replicas.engine.models.llama import LlamaForCausalLM
+from replicas.engine.output_processor import RequestOutput
+from replicas.engine.sampler import Sampler
+from replicas.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from replicas.engine.sequence import Sequence
+from replicas.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A request that passed validation: what the engine thread needs to start it."""
+
+    request: GenerateRequest
+    prompt_token_ids: list[int]
+    arrival_s: float
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
+        self.config = config
+        source = source or load_model_source(config.model)
+        self.model_config = source.config
+        self.tokenizer: Tokenizer = source.tokenizer
+        self.device = torch.device(config.device)
+        self.dtype = TORCH_DTYPES[config.dtype.value]
+        model_max = source.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or model_max, model_max)
+        self.cache_shape = self._cache_shape()
+        model = LlamaForCausalLM(source.config, max_positions=self.max_model_len)
+        model.load_weights(source.weights())
+        model.to(device=self.device, dtype=self.dtype).eval()
+        self.runner = ModelRunner(model, self.cache_shape, self.device, self.dtype)
+        self.block_manager = BlockManager(
+            self.cache_shape.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), self.block_manager
+        )
+        eos = tuple(self.tokenizer.eos_token_ids)
+        self.sampler = Sampler(eos, self.device)
+        self._eos = frozenset(eos)
+        self._outputs: dict[str, RequestOutput] = {}
+        logger.info(
+            "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
+            config.model, self.cache_shape.num_blocks, config.block_size, self.max_model_len,
+        )
+
+    def _cache_shape(self) -> CacheShape:
+        cfg = self.model_config
+        per_block = CacheShape.bytes_per_block(cfg, self.config.block_size, self.dtype)
+        num_blocks = self.config.num_kv_blocks or self.config.kv_cache_bytes // per_block
+        if num_blocks < 2:
+            raise ValueError(
+                f"kv_cache_bytes ({self.config.kv_cache_bytes}) buys {num_blocks} KV blocks of "
+                f"{per_block} bytes; at least 2 are needed"
+            )
+        return CacheShape(num_blocks, self.config.block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def prepare(self, request: GenerateRequest) -> PreparedRequest:
+        """Validate and tokenize; raises ``InvalidRequestError`` naming the field."""
+        prompt_ids = self._prompt_token_ids(request)
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", _prompt_param(request))
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        needed = len(prompt_ids) + request.sampling.max_tokens
+        if needed > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {len(prompt_ids)} and max_tokens is {request.sampling.max_tokens}",
+                "max_tokens",
+            )
+        capacity = self.cache_shape.num_blocks * self.cache_shape.block_size
+        if needed > capacity:
+            raise InvalidRequestError(
+                f"the request needs {needed} tokens of KV cache; this engine holds {capacity}",
+                "max_tokens",
+            )
+        arrival = request.arrival_time_s if request.arrival_time_s is not None else time.time()
+        return PreparedRequest(request, prompt_ids, arrival)
+
+    def _prompt_token_ids(self, request: GenerateRequest) -> list[int]:
+        given = [x is not None for x in (request.prompt_token_ids, request.prompt, request.messages)]
+        if sum(given) != 1:
+            raise InvalidRequestError(
+                "give exactly one of prompt_token_ids, prompt or messages", "prompt"
+            )
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        if request.prompt is not None:
+            return self.tokenizer.encode(request.prompt)
+        assert request.messages is not None
+        return self.tokenizer.apply_chat_template(list(request.messages))
+
+    def add(self, prepared: PreparedRequest) -> None:
+        request = prepared.request
+        if request.request_id in self._outputs:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already running", "request_id")
+        seq = Sequence.from_prompt(
+            request.request_id, prepared.prompt_token_ids, request.sampling, arrival_s=prepared.arrival_s
+        )
+        detok = IncrementalDetokenizer(
+            self.tokenizer, prepared.prompt_token_ids, request.sampling.skip_special_tokens
+        )
+        self._outputs[seq.request_id] = RequestOutput(seq, detok, self._eos)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> Chunk | None:
+        """Stop a request now and free its blocks; returns its final chunk, None if unknown."""
+        out = self._outputs.pop(request_id, None)
+        if out is None:
+            return None
+        self.scheduler.finish(out.seq, FinishReason.ABORT)
+        self.sampler.forget(request_id)
+        return out.chunk((), None, FinishReason.ABORT)
+
+    def abort_all(self) -> list[Chunk]:
+        return [c for rid in list(self._outputs) if (c := self.abort(rid)) is not None]
+
+    # ---- the step --------------------------------------------------------------------------
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[Chunk]:
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return []
+        sampling = [s.seq for s in output.scheduled if s.is_sampling]
+        logits = self.runner.execute(output.scheduled)
+        self.scheduler.update_after_step(output)
+        if not sampling:
+            return []
+        samples = self.sampler.sample(logits, sampling)
+        return self._emit(output, sampling, samples)
+
+    def _emit(self, output: SchedulerOutput, seqs: list[Sequence], samples: list) -> list[Chunk]:
+        now = time.time()
+        chunks = []
+        for seq, sample in zip(seqs, samples, strict=True):
+            seq.append_token(sample.token_id)
+            if seq.first_token_s is None:
+                seq.first_token_s = now
+            out = self._outputs[seq.request_id]
+            finish = out.on_token(sample.token_id, self.max_model_len)
+            if finish is not None:
+                self.scheduler.finish(seq, finish)
+                self.sampler.forget(seq.request_id)
+                del self._outputs[seq.request_id]
+            logprobs = (sample.logprob,) if sample.logprob is not None else None
+            chunks.append(out.chunk((sample.token_id,), logprobs, finish))
+        return chunks
+
+    def load(self) -> LoadSnapshot:
+        running, waiting = self.scheduler.num_running, self.scheduler.num_waiting
+        return LoadSnapshot(
+            num_running=running,
+            num_waiting=waiting,
+            num_free_kv_blocks=self.block_manager.num_free_blocks,
+            num_total_kv_blocks=self.block_manager.num_total_blocks,
+            num_free_slots=max(0, self.config.max_num_seqs - running - waiting),
+        )
+
+
+def _prompt_param(request: GenerateRequest) -> str:
+    return "messages" if request.messages is not None else "prompt"

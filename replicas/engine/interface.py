@@ -1,0 +1,135 @@
+"""The contract between a replica and its engine (torch engine or vLLM adapter).
+
+A replica knows nothing of tenants or queues: it hands the engine a ``GenerateRequest`` and
+relays the ``Chunk`` objects that ``generate`` yields. Every engine passes one contract test
+suite (``tests/replicas/engine/test_contract.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from replicas.engine.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request stopped; the values are OpenAI's ``finish_reason`` strings."""
+
+    STOP = "stop"  # a stop string, a stop token or EOS
+    LENGTH = "length"  # max_tokens, or the model's context is full
+    ABORT = "abort"  # abort(request_id), or the engine shut down
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """One generation request.
+
+    Exactly one of ``prompt_token_ids``, ``prompt`` (raw text) or ``messages`` (chat, rendered
+    with the model's chat template and a generation prompt) must be given.
+    """
+
+    request_id: str
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    prompt_token_ids: tuple[int, ...] | None = None
+    prompt: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    arrival_time_s: float | None = None  # wall clock (time.time()); defaults to now
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Log-probability of one sampled token and, if asked, its top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    num_output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """Wall-clock instants (``time.time()`` seconds) of a request's life in the engine.
+
+    engine queue = first_scheduled - arrived; prefill = first_token - first_scheduled;
+    decode = finished - first_token.
+    """
+
+    arrived_s: float
+    first_scheduled_s: float | None
+    first_token_s: float | None
+    finished_s: float
+    num_prefill_chunks: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """What one engine step produced for one request.
+
+    ``token_ids`` are the new tokens; ``text`` is the new text (it may lag the tokens while a
+    stop string or a multi-byte character could still be forming). The final chunk has
+    ``finish_reason``, ``usage`` and ``timings`` set.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+    @property
+    def is_final(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """What an engine reports for dispatch and autoscaling."""
+
+    num_running: int
+    num_waiting: int
+    num_free_kv_blocks: int
+    num_total_kv_blocks: int
+    num_free_slots: int  # how many more requests it would start now (max_num_seqs - running - waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        used = self.num_total_kv_blocks - self.num_free_kv_blocks
+        return used / self.num_total_kv_blocks if self.num_total_kv_blocks else 0.0
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A batched prefill/decode engine behind one replica."""
+
+    async def start(self) -> None:
+        """Load the model and start the step loop; returns once requests can be accepted."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+        """Yield chunks as they are produced; the last one is final.
+
+        Raises ``InvalidRequestError`` before anything is scheduled when the request is bad.
+        """
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks; True if it was running or waiting."""
+
+    def load(self) -> LoadSnapshot:
+        """A snapshot of the engine's load."""
+
+    async def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if the step loop is dead or stuck."""
+
+    async def shutdown(self) -> None:
+        """Abort everything, stop the loop and release the model."""

@@ -1,0 +1,215 @@
+"""The Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+One module serves the family: Qwen2 differs by q/k/v biases, Mistral by a sliding window
+(applied in the attention masks the model runner builds), Llama 3 by RoPE scaling. q/k/v and
+gate/up are fused into one matmul each (fewer, larger GEMMs run faster on CPU); weights
+arrive under Hugging Face's unfused names and ``load_weights`` packs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from replicas.engine.attention import AttentionMetadata, paged_attention
+from replicas.engine.models.model_config import ModelConfig
+from replicas.engine.models.rope import rope_inv_freq
+
+# lm_head GEMMs over the whole vocabulary run ~1.5x faster on CPU in slices of this many rows.
+LOGITS_VOCAB_SLICE = 4096
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same arithmetic as transformers' LlamaRMSNorm: normalise in float32, then scale.
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to ``max_positions``, looked up per token."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        inv_freq, scaling = rope_inv_freq(cfg)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # (max_positions, head_dim // 2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, head_dim)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (num_tokens, 1, head_dim)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
+        # Qwen2 biases q/k/v only; Llama's attention_bias covers o_proj too.
+        o_bias = cfg.attention_bias and cfg.architecture != "qwen2"
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (num_tokens, hidden)
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias
+        )
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg, max_positions)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (num_tokens,)
+        positions: torch.Tensor,  # (num_tokens,)
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (num_tokens, hidden): final hidden states, before the norm
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rotary, kv_cache, meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(num_sampled, hidden) hidden states of sampling positions -> (num_sampled, vocab)."""
+        hidden = self.norm(hidden)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if hidden.device.type != "cpu" or hidden.shape[0] < 8:
+            return F.linear(hidden, weight)
+        return torch.cat([F.linear(hidden, w) for w in weight.split(LOGITS_VOCAB_SLICE)], dim=-1)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named weights in, packing q/k/v and gate/up into fused params.
+
+        Raises ``KeyError`` naming a weight the model does not have, ``ValueError`` naming a
+        weight of the wrong shape or the weights the checkpoint lacks.
+        """
+        params = dict(self.named_parameters())
+        packs = self._packing()
+        expected = set()
+        for name in params:
+            parts = [hf for hf, (fused, _, _) in packs.items() if f".{fused}." in name]
+            expected.update(name.replace(packs[hf][0], hf) for hf in parts)
+            if not parts:
+                expected.add(name)
+        seen: set[str] = set()
+        for name, tensor in weights:
+            dest = self._destination(name, params, packs)
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            seen.add(name)
+        missing = sorted(expected - seen)
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {', '.join(missing[:8])}")
+
+    def _packing(self) -> dict[str, tuple[str, int, int]]:
+        """Hugging Face sub-module -> (fused sub-module, first row, end row)."""
+        q_size = self.cfg.num_heads * self.cfg.head_dim
+        kv_size = self.cfg.num_kv_heads * self.cfg.head_dim
+        inter = self.cfg.intermediate_size
+        return {
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q_size),
+            "self_attn.k_proj": ("self_attn.qkv_proj", q_size, q_size + kv_size),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q_size + kv_size, q_size + 2 * kv_size),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
+            "mlp.up_proj": ("mlp.gate_up_proj", inter, 2 * inter),
+        }
+
+    @staticmethod
+    def _destination(
+        name: str, params: dict[str, nn.Parameter], packs: dict[str, tuple[str, int, int]]
+    ) -> torch.Tensor:
+        for hf, (fused, start, end) in packs.items():
+            if f".{hf}." in name:
+                return params[name.replace(hf, fused)].narrow(0, start, end - start)
+        if name not in params:
+            raise KeyError(f"unexpected weight {name!r}")
+        return params[name]

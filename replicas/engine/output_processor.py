@@ -1,0 +1,102 @@
+"""Per-request output: text deltas, stop strings, stop tokens, and the final chunk.
+
+NOTE: a stop string can span several tokens, so text that could be the start of a stop string
+is held back until it either completes one (the request finishes, the stop string and what
+follows are dropped, as OpenAI does) or stops matching (the text is released). Stop tokens and
+EOS end the request and add no text. Tokens are reported as they are sampled; only text lags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from replicas.engine.interface import Chunk, FinishReason, TokenLogprob, Usage, Timings
+from replicas.engine.sequence import Sequence
+from replicas.engine.tokenizer import IncrementalDetokenizer
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    eos_token_ids: frozenset[int]
+    num_text_sent: int = 0  # characters of detokenizer text already sent
+    _text: str = field(default="")
+
+    def on_token(self, token_id: int, max_model_len: int) -> FinishReason | None:
+        """Account for one sampled token (already appended to seq); returns why it finished."""
+        params = self.seq.sampling
+        if token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in self.eos_token_ids
+        ):
+            return FinishReason.STOP
+        self.detokenizer.add([token_id])
+        self._text = self.detokenizer.text
+        if params.stop and self._truncate_at_stop():
+            return FinishReason.STOP
+        if self.seq.num_output_tokens >= params.max_tokens or self.seq.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def chunk(
+        self,
+        token_ids: tuple[int, ...],
+        logprobs: tuple[TokenLogprob, ...] | None,
+        finish: FinishReason | None,
+    ) -> Chunk:
+        end = len(self._text) if finish is not None else len(self._text) - self._held_back()
+        end = max(end, self.num_text_sent)
+        delta = self._text[self.num_text_sent : end]
+        self.num_text_sent = end
+        if finish is None:
+            return Chunk(self.seq.request_id, token_ids, delta, logprobs=logprobs)
+        return Chunk(
+            self.seq.request_id,
+            token_ids,
+            delta,
+            finish_reason=finish,
+            logprobs=logprobs,
+            usage=usage_of(self.seq),
+            timings=timings_of(self.seq),
+        )
+
+    def _truncate_at_stop(self) -> bool:
+        # Only text not yet sent can hold a new match (sent text was checked already).
+        longest = max(len(s) for s in self.seq.sampling.stop)
+        search_from = max(0, self.num_text_sent - longest + 1)
+        hits = [i for s in self.seq.sampling.stop if (i := self._text.find(s, search_from)) >= 0]
+        if not hits:
+            return False
+        self._text = self._text[: min(hits)]
+        return True
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the unsent text that begins some stop string."""
+        unsent = self._text[self.num_text_sent :]
+        best = 0
+        for stop in self.seq.sampling.stop:
+            for n in range(min(len(stop) - 1, len(unsent)), best, -1):
+                if unsent.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
+
+
+def usage_of(seq: Sequence) -> Usage:
+    return Usage(
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_cached_tokens=seq.num_cached_tokens or 0,
+        num_output_tokens=seq.num_output_tokens,
+    )
+
+
+def timings_of(seq: Sequence) -> Timings:
+    assert seq.finished_s is not None
+    return Timings(
+        arrived_s=seq.arrival_s,
+        first_scheduled_s=seq.first_scheduled_s,
+        first_token_s=seq.first_token_s,
+        finished_s=seq.finished_s,
+        num_prefill_chunks=seq.num_prefill_chunks,
+        num_preemptions=seq.num_preemptions,
+    )

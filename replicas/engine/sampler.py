@@ -1,0 +1,131 @@
+"""Turns a step's logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
+
+NOTE: sampling uses the exponential race (Gumbel-max): token = argmax(p_i / E_i) with E_i ~
+Exp(1) drawn fresh for every step, which draws exactly from p. A request with a seed owns a
+``torch.Generator`` seeded once and advanced one draw of ``vocab`` exponentials per sampled
+token, so its tokens depend only on its own logits and its own generator: the same seed and
+prompt give the same text whatever else shares the batch (and after preemption, which keeps
+the generator). Requests without a seed share the sampler's generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from replicas.engine.interface import TokenLogprob
+from replicas.engine.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: tuple[int, ...], device: torch.device, seed: int = 0) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self._shared = torch.Generator(device=device)
+        self._shared.manual_seed(seed)
+        self._seeded: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's generator."""
+        self._seeded.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        """logits: (num_seqs, vocab) float32, row i for seqs[i]."""
+        logits = self._suppress_early_stops(logits, seqs)
+        token_ids = logits.argmax(dim=-1)  # greedy rows keep this
+        sampling_rows = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy]
+        if sampling_rows:
+            rows = torch.tensor(sampling_rows, device=logits.device)
+            probs = _filtered_probs(logits[rows], [seqs[i] for i in sampling_rows])
+            noise = self._exponentials(probs, [seqs[i] for i in sampling_rows])
+            token_ids[rows] = (probs / noise).argmax(dim=-1)
+        ids = token_ids.tolist()
+        logprobs = self._logprobs(logits, token_ids, seqs)
+        return [SampledToken(token_id=t, logprob=lp) for t, lp in zip(ids, logprobs, strict=True)]
+
+    def _suppress_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Before min_tokens are out, EOS and stop tokens cannot be sampled."""
+        early = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.sampling.min_tokens]
+        if not early:
+            return logits
+        logits = logits.clone()
+        for i in early:
+            params = seqs[i].sampling
+            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
+            if banned:
+                logits[i, banned] = float("-inf")
+        return logits
+
+    def _exponentials(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, s in enumerate(seqs) if s.sampling.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(
+                (len(unseeded), probs.shape[1]), device=probs.device
+            ).exponential_(generator=self._shared)
+        for i, seq in enumerate(seqs):
+            if seq.sampling.seed is not None:
+                noise[i].exponential_(generator=self._generator(seq))
+        return noise
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        gen = self._seeded.get(seq.request_id)
+        if gen is None:
+            assert seq.sampling.seed is not None
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seq.sampling.seed % 2**64)
+            self._seeded[seq.request_id] = gen
+        return gen
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, token_ids: torch.Tensor, seqs: list[Sequence]
+    ) -> list[TokenLogprob | None]:
+        wanted = [i for i, s in enumerate(seqs) if s.sampling.logprobs]
+        out: list[TokenLogprob | None] = [None] * len(seqs)
+        if not wanted:
+            return out
+        # Log-probabilities of the model's own distribution (before temperature and filters).
+        logp = torch.log_softmax(logits[wanted], dim=-1)
+        for row, i in enumerate(wanted):
+            token = int(token_ids[i])
+            top_n = seqs[i].sampling.top_logprobs
+            top: tuple[tuple[int, float], ...] = ()
+            if top_n:
+                values, indices = logp[row].topk(top_n)
+                top = tuple(zip(indices.tolist(), values.tolist(), strict=True))
+            out[i] = TokenLogprob(token_id=token, logprob=float(logp[row, token]), top=top)
+        return out
+
+
+def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Temperature, then top-k, then top-p; returns (rows, vocab) probabilities."""
+    temps = torch.tensor([s.sampling.temperature for s in seqs], device=logits.device)
+    logits = logits / temps[:, None]
+    top_ks = [s.sampling.top_k for s in seqs]
+    top_ps = [s.sampling.top_p for s in seqs]
+    if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
+        logits = _top_k_top_p(logits, top_ks, top_ps)
+    return torch.softmax(logits, dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = ranks >= ks[:, None]  # beyond top-k
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    ps = torch.tensor(top_ps, device=logits.device)
+    # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= ps[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)

@@ -1,0 +1,391 @@
+"""Scheduler: chunked prefill, decode mixing, preemption, FCFS admission, aborts.
+
+A ``Simulation`` plays the engine without a model: it schedules, "computes" KV into a fake
+cache (checking that every token a sequence attends to holds the right token), appends a fake
+sampled token and finishes sequences at ``max_tokens``, checking the block manager's
+invariants, reference counts, the token budget and ``max_num_seqs`` after every step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from replicas.engine.block_manager import BlockManager
+from replicas.engine.interface import FinishReason
+from replicas.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from replicas.engine.sequence import Sequence, SequenceStatus
+from tests.replicas.engine.factories import make_sequence
+
+MAX_STEPS = 5_000
+
+
+@dataclass
+class Simulation:
+    scheduler: Scheduler
+    step: int = 0
+    num_finishes: Counter[str] = field(default_factory=Counter)
+    # Fake KV cache: the token whose KV each slot of each block holds.
+    kv: defaultdict[int, dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
+    outputs: list[SchedulerOutput] = field(default_factory=list)
+
+    @classmethod
+    def create(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        enable_prefix_caching: bool = True,
+    ) -> Simulation:
+        bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        config = SchedulerConfig(max_num_batched_tokens, max_num_seqs)
+        return cls(Scheduler(config, bm))
+
+    @property
+    def bm(self) -> BlockManager:
+        return self.scheduler.block_manager
+
+    def add(self, seq: Sequence) -> Sequence:
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            self.num_finishes[request_id] += 1
+            assert seq.block_ids == [] and seq.finish_reason is FinishReason.ABORT
+        self.check_state()
+        return seq
+
+    def run_step(self) -> SchedulerOutput:
+        running_before = list(self.scheduler.running)
+        waiting_before = list(self.scheduler.waiting)
+        output = self.scheduler.schedule()
+        self.check_output(output, running_before, waiting_before)
+        self.check_state()
+        self.fake_model_step(output)
+        self.scheduler.update_after_step(output)
+        for item in output.scheduled:
+            if item.is_sampling:
+                self.sample(item.seq)
+        self.check_state()
+        self.outputs.append(output)
+        self.step += 1
+        return output
+
+    def run_until_done(self) -> None:
+        while self.scheduler.has_unfinished:
+            assert self.step < MAX_STEPS, "the scheduler stopped making progress"
+            self.run_step()
+        assert self.bm.num_free_blocks == self.bm.num_total_blocks
+
+    def sample(self, seq: Sequence) -> None:
+        seq.append_token(self.step % 100)
+        if seq.first_token_s is None:
+            seq.first_token_s = time.time()
+        if seq.num_output_tokens >= seq.sampling.max_tokens:
+            self.scheduler.finish(seq, FinishReason.LENGTH)
+            self.num_finishes[seq.request_id] += 1
+
+    def fake_model_step(self, output: SchedulerOutput) -> None:
+        block_size = self.bm.block_size
+        for item in output.scheduled:
+            seq = item.seq
+            # Attention reads every computed token: each slot must hold that very token.
+            for pos in range(seq.num_computed_tokens):
+                block_id = seq.block_ids[pos // block_size]
+                assert self.kv[block_id].get(pos % block_size) == seq.token_ids[pos], (
+                    f"{seq.request_id}: wrong KV at position {pos}"
+                )
+            end = seq.num_computed_tokens + item.num_new_tokens
+            for pos in range(seq.num_computed_tokens, end):
+                block = self.bm.blocks[seq.block_ids[pos // block_size]]
+                assert block.ref_count == 1, "KV written into a shared block"
+                assert block.block_hash is None, "KV written into a cached block"
+                self.kv[block.block_id][pos % block_size] = seq.token_ids[pos]
+
+    def check_output(
+        self,
+        output: SchedulerOutput,
+        running_before: list[Sequence],
+        waiting_before: list[Sequence],
+    ) -> None:
+        config = self.scheduler.config
+        num_tokens = sum(item.num_new_tokens for item in output.scheduled)
+        assert output.num_batched_tokens == num_tokens <= config.max_num_batched_tokens
+        assert self.scheduler.num_running <= config.max_num_seqs
+        seqs = [item.seq for item in output.scheduled]
+        assert len({id(seq) for seq in seqs}) == len(seqs), "a seq scheduled twice"
+        for item in output.scheduled:
+            seq = item.seq
+            assert seq.status is SequenceStatus.RUNNING and item.num_new_tokens >= 1
+            end = seq.num_computed_tokens + item.num_new_tokens
+            assert end <= seq.num_tokens
+            assert item.is_sampling == (end == seq.num_tokens)
+            assert len(seq.block_ids) * self.bm.block_size >= end
+        # Preemption victims are the newest running seqs, never one scheduled this step.
+        assert output.preempted == running_before[::-1][: len(output.preempted)]
+        assert not {id(seq) for seq in output.preempted} & {id(seq) for seq in seqs}
+        for seq in output.preempted:
+            assert seq.status is SequenceStatus.WAITING and seq.block_ids == []
+            assert seq.num_computed_tokens == 0
+        # Admission is FCFS, and there is none in a step that preempted.
+        admitted = [seq for seq in seqs if any(seq is w for w in waiting_before)]
+        assert admitted == waiting_before[: len(admitted)]
+        assert not (admitted and output.preempted)
+
+    def check_state(self) -> None:
+        self.bm.check_invariants()
+        live = list(self.scheduler.running) + list(self.scheduler.waiting)
+        refs: Counter[int] = Counter()
+        for seq in live:
+            assert not seq.is_finished
+            assert len(set(seq.block_ids)) == len(seq.block_ids)
+            assert len(seq.block_ids) >= self.bm.num_blocks_needed(seq.num_computed_tokens)
+            assert len(seq.block_ids) <= self.bm.num_blocks_needed(seq.num_tokens)
+            refs.update(seq.block_ids)
+        for block in self.bm.blocks:
+            assert block.ref_count == refs[block.block_id], f"block {block.block_id} ref_count"
+
+
+def test_config_rejects_non_positive_limits() -> None:
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_num_batched_tokens=0, max_num_seqs=1)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=0)
+
+
+def test_one_request_prefills_decodes_and_finishes() -> None:
+    sim = Simulation.create(num_blocks=8, block_size=4, max_num_batched_tokens=32, max_num_seqs=4)
+    seq = sim.add(make_sequence("a", num_prompt_tokens=10, max_tokens=5))
+    assert (sim.scheduler.num_waiting, sim.scheduler.has_unfinished) == (1, True)
+    first = sim.run_step()
+    assert [(s.num_new_tokens, s.is_sampling) for s in first.scheduled] == [(10, True)]
+    sim.run_until_done()
+    assert seq.num_output_tokens == 5 and seq.finish_reason is FinishReason.LENGTH
+    assert seq.status is SequenceStatus.FINISHED and seq.finished_s is not None
+    assert seq.first_scheduled_s is not None and seq.num_cached_tokens == 0
+    assert seq.num_prefill_chunks == 1 and seq.num_preemptions == 0
+    assert [o.num_batched_tokens for o in sim.outputs] == [10, 1, 1, 1, 1]
+    assert sim.scheduler.get("a") is None and not sim.scheduler.has_unfinished
+
+
+def test_long_prompt_is_chunked() -> None:
+    sim = Simulation.create(num_blocks=64, block_size=4, max_num_batched_tokens=32, max_num_seqs=4)
+    seq = sim.add(make_sequence("long", num_prompt_tokens=100, max_tokens=2))
+    chunks = [sim.run_step().scheduled[0] for _ in range(4)]
+    assert [c.num_new_tokens for c in chunks] == [32, 32, 32, 4]
+    assert [c.is_sampling for c in chunks] == [False, False, False, True]
+    assert seq.status is SequenceStatus.RUNNING and seq.num_prefill_chunks == 4
+    sim.run_until_done()
+    assert seq.num_prefill_chunks == 4
+
+
+def test_chunked_prefill_mixes_with_decodes_of_running_seqs() -> None:
+    sim = Simulation.create(num_blocks=64, block_size=4, max_num_batched_tokens=32, max_num_seqs=4)
+    short = [sim.add(make_sequence(f"s{i}", num_prompt_tokens=4, max_tokens=20)) for i in range(2)]
+    sim.run_step()  # both prefill and sample their first token
+    long = sim.add(make_sequence("long", num_prompt_tokens=100, max_tokens=3))
+    long_chunks: list[int] = []
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        output = sim.run_step()
+        by_id = {item.seq.request_id: item for item in output.scheduled}
+        assert [by_id[s.request_id].num_new_tokens for s in short] == [1, 1]  # decodes first
+        long_chunks.append(by_id["long"].num_new_tokens)
+        assert output.num_batched_tokens == min(32, 2 + long_chunks[-1])
+    assert long_chunks == [30, 30, 30, 10]
+    assert long.num_prefill_chunks == 4
+    sim.run_until_done()
+    assert [s.num_output_tokens for s in short + [long]] == [20, 20, 3]
+
+
+def test_budget_and_max_num_seqs_limit_admission() -> None:
+    sim = Simulation.create(num_blocks=64, block_size=4, max_num_batched_tokens=20, max_num_seqs=3)
+    for i in range(5):
+        sim.add(make_sequence(f"r{i}", num_prompt_tokens=8, max_tokens=4))
+    output = sim.run_step()
+    # 8 + 8 + 4 tokens: the third gets a partial chunk and keeps running.
+    assert [(s.seq.request_id, s.num_new_tokens) for s in output.scheduled] == [
+        ("r0", 8),
+        ("r1", 8),
+        ("r2", 4),
+    ]
+    assert (sim.scheduler.num_running, sim.scheduler.num_waiting) == (3, 2)
+    output = sim.run_step()
+    assert [(s.seq.request_id, s.num_new_tokens) for s in output.scheduled] == [
+        ("r0", 1),
+        ("r1", 1),
+        ("r2", 4),
+    ]  # max_num_seqs: nobody else is admitted
+    sim.run_until_done()
+
+
+def test_waiting_head_that_does_not_fit_blocks_later_requests() -> None:
+    sim = Simulation.create(num_blocks=4, block_size=4, max_num_batched_tokens=64, max_num_seqs=4)
+    sim.add(make_sequence("a", num_prompt_tokens=11, max_tokens=2))
+    sim.run_step()  # a holds 3 of the 4 blocks
+    big = sim.add(make_sequence("big", num_prompt_tokens=8, max_tokens=1))
+    small = sim.add(make_sequence("small", num_prompt_tokens=2, max_tokens=1))
+    output = sim.run_step()
+    assert [s.seq.request_id for s in output.scheduled] == ["a"]  # small does not skip ahead
+    assert big.status is small.status is SequenceStatus.WAITING
+    assert big.block_ids == [] and big.num_computed_tokens == 0
+    sim.run_until_done()
+    assert big.num_output_tokens == small.num_output_tokens == 1
+
+
+def test_preemption_when_blocks_run_out_completes_every_request() -> None:
+    sim = Simulation.create(num_blocks=8, block_size=4, max_num_batched_tokens=32, max_num_seqs=4)
+    seqs = [sim.add(make_sequence(f"r{i}", num_prompt_tokens=8, max_tokens=16)) for i in range(4)]
+    sim.run_until_done()
+    assert sum(seq.num_preemptions for seq in seqs) > 0
+    assert any(o.preempted for o in sim.outputs)
+    for seq in seqs:
+        assert seq.num_output_tokens == 16 and seq.finish_reason is FinishReason.LENGTH
+    assert all(count == 1 for count in sim.num_finishes.values())
+    # The oldest request is never preempted for a newer one.
+    assert seqs[0].num_preemptions == 0
+
+
+def test_preempted_seq_goes_to_the_front_of_waiting() -> None:
+    sim = Simulation.create(num_blocks=4, block_size=4, max_num_batched_tokens=32, max_num_seqs=4)
+    old = sim.add(make_sequence("old", num_prompt_tokens=8, max_tokens=8))
+    new = sim.add(make_sequence("new", num_prompt_tokens=8, max_tokens=8))
+    sim.run_step()  # both admitted: 4 blocks in use
+    later = sim.add(make_sequence("later", num_prompt_tokens=2, max_tokens=1))
+    output = sim.run_step()  # old needs a 3rd block: new is preempted
+    assert output.preempted == [new]
+    assert [s.seq for s in output.scheduled] == [old]
+    assert list(sim.scheduler.waiting) == [new, later]
+    assert new.num_preemptions == 1 and new.num_computed_tokens == 0
+    sim.run_until_done()
+    assert new.num_output_tokens == 8 and later.num_output_tokens == 1
+
+
+def test_seq_needing_a_block_preempts_itself_when_it_is_the_newest() -> None:
+    sim = Simulation.create(num_blocks=4, block_size=4, max_num_batched_tokens=32, max_num_seqs=4)
+    old = sim.add(make_sequence("old", num_prompt_tokens=7, max_tokens=8))
+    new = sim.add(make_sequence("new", num_prompt_tokens=8, max_tokens=8))
+    sim.run_step()
+    output = sim.run_step()  # old fits its block; new needs a 3rd block: new goes
+    assert [s.seq for s in output.scheduled] == [old]
+    assert output.preempted == [new]
+    sim.run_until_done()
+    assert old.num_output_tokens == new.num_output_tokens == 8
+
+
+def test_shared_prompt_is_served_from_the_prefix_cache() -> None:
+    sim = Simulation.create(num_blocks=32, block_size=4, max_num_batched_tokens=64, max_num_seqs=4)
+    first = sim.add(make_sequence("a", num_prompt_tokens=20, max_tokens=3))
+    sim.run_step()
+    second = sim.add(make_sequence("b", token_ids=first.prompt_token_ids + [7, 8], max_tokens=2))
+    output = sim.run_step()
+    assert second.num_cached_tokens == 20
+    assert [s.num_new_tokens for s in output.scheduled if s.seq is second] == [2]
+    assert second.block_ids[:5] == first.block_ids[:5]
+    sim.run_until_done()
+
+
+def test_abort_frees_blocks_at_once() -> None:
+    sim = Simulation.create(num_blocks=16, block_size=4, max_num_batched_tokens=32, max_num_seqs=4)
+    running = sim.add(make_sequence("run", num_prompt_tokens=10, max_tokens=50))
+    sim.run_step()
+    waiting = sim.add(make_sequence("wait", num_prompt_tokens=10, max_tokens=50))
+    block_ids = list(running.block_ids)
+    assert sim.abort("run") is running
+    assert [sim.bm.blocks[b].ref_count for b in block_ids] == [0, 0, 0]
+    assert sim.bm.num_free_blocks == sim.bm.num_total_blocks
+    assert sim.abort("wait") is waiting and waiting.finish_reason is FinishReason.ABORT
+    assert sim.abort("wait") is None and sim.abort("unknown") is None
+    assert not sim.scheduler.has_unfinished
+    assert sim.scheduler.schedule().is_empty
+
+
+def test_abort_while_a_step_runs_is_ignored_by_update() -> None:
+    sim = Simulation.create(num_blocks=16, block_size=4, max_num_batched_tokens=32, max_num_seqs=4)
+    sim.add(make_sequence("a", num_prompt_tokens=10, max_tokens=5))
+    seq = sim.add(make_sequence("b", num_prompt_tokens=10, max_tokens=5))
+    output = sim.scheduler.schedule()
+    sim.abort("b")
+    sim.scheduler.update_after_step(output)
+    assert seq.num_computed_tokens == 0 and seq.block_ids == []
+    sim.check_state()
+
+
+def test_adding_a_request_id_twice_is_an_error() -> None:
+    sim = Simulation.create(num_blocks=4, block_size=4, max_num_batched_tokens=8, max_num_seqs=2)
+    sim.add(make_sequence("a", num_prompt_tokens=3))
+    with pytest.raises(ValueError, match="already scheduled"):
+        sim.add(make_sequence("a", num_prompt_tokens=3))
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> dict:
+    block_size = draw(st.integers(1, 8))
+    num_requests = draw(st.integers(1, 10))
+    # Prompts over a tiny alphabet share prefixes often, so the prefix cache gets exercised.
+    prompts = draw(
+        st.lists(
+            st.lists(st.integers(0, 2), min_size=1, max_size=40),
+            min_size=num_requests,
+            max_size=num_requests,
+        )
+    )
+    max_tokens = draw(st.lists(st.integers(1, 20), min_size=num_requests, max_size=num_requests))
+    arrivals = draw(st.lists(st.integers(0, 15), min_size=num_requests, max_size=num_requests))
+    longest = max(len(p) + m for p, m in zip(prompts, max_tokens, strict=True))
+    min_blocks = -(-longest // block_size)  # every request fits when alone
+    return {
+        "block_size": block_size,
+        "num_blocks": min_blocks + draw(st.integers(0, 12)),
+        "max_num_batched_tokens": draw(st.integers(1, 48)),
+        "max_num_seqs": draw(st.integers(1, 6)),
+        "enable_prefix_caching": draw(st.booleans()),
+        "requests": list(zip(prompts, max_tokens, arrivals, strict=True)),
+        "aborts": draw(
+            st.lists(st.tuples(st.integers(0, 40), st.integers(0, num_requests - 1)), max_size=5)
+        ),
+    }
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads_keep_invariants_and_finish_every_request(workload: dict) -> None:
+    sim = Simulation.create(
+        workload["num_blocks"],
+        workload["block_size"],
+        workload["max_num_batched_tokens"],
+        workload["max_num_seqs"],
+        workload["enable_prefix_caching"],
+    )
+    requests = workload["requests"]
+    seqs: dict[str, Sequence] = {}
+    last_arrival = max(arrival for _, _, arrival in requests)
+    while sim.step <= last_arrival or sim.scheduler.has_unfinished:
+        assert sim.step < MAX_STEPS, "the scheduler stopped making progress"
+        for index, (prompt, max_tokens, arrival) in enumerate(requests):
+            if arrival == sim.step:
+                seq = make_sequence(f"r{index}", token_ids=prompt, max_tokens=max_tokens)
+                seqs[seq.request_id] = sim.add(seq)
+        for step, index in workload["aborts"]:
+            if step == sim.step:
+                sim.abort(f"r{index}")
+        sim.run_step()
+
+    assert set(sim.num_finishes) == set(seqs) and set(sim.num_finishes.values()) == {1}
+    for seq in seqs.values():
+        assert seq.is_finished and seq.block_ids == []
+        if seq.finish_reason is FinishReason.LENGTH:
+            assert seq.num_output_tokens == seq.sampling.max_tokens
+        else:
+            assert seq.finish_reason is FinishReason.ABORT
+            assert seq.num_output_tokens < seq.sampling.max_tokens
+    assert sim.bm.num_free_blocks == sim.bm.num_total_blocks
+    assert sim.bm.num_used_blocks == 0
+    assert sim.scheduler.num_running == sim.scheduler.num_waiting == 0
