@@ -209,6 +209,7 @@ class Scheduler:
         assert self.running and self.running[-1] is seq, "only the newest seq is preempted"
         self.running.pop()
         self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

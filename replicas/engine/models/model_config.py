@@ -167,9 +167,9 @@ def normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | N
     scaling = dict(scaling)
     legacy_type = scaling.pop("type", None)
     rope_type = scaling.setdefault("rope_type", legacy_type or "default")
-    if rope_type == "default" and set(scaling) <= {"rope_type", "partial_rotary_factor"}:
-        if scaling.get("partial_rotary_factor", 1.0) == 1.0:
-            return None
+    is_plain = set(scaling) <= {"rope_type", "partial_rotary_factor"}
+    if rope_type == "default" and is_plain and scaling.get("partial_rotary_factor", 1.0) == 1.0:
+        return None
     return scaling
 
 

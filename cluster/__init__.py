@@ -1,0 +1,1 @@
+"""Configuration, the local launcher and the ``fairserve`` CLI."""

@@ -1,0 +1,206 @@
+"""The Engine contract, run against every engine (the torch engine here; vLLM on GPU machines).
+
+Real model, real engine thread: streaming chunks, final usage and timings, validation before
+scheduling, abort and disconnect freeing KV blocks at once, seeds, stop strings, logprobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from replicas.engine.async_engine import TorchEngine
+from replicas.engine.config import EngineConfig
+from replicas.engine.errors import InvalidRequestError
+from replicas.engine.interface import Engine, FinishReason, GenerateRequest
+from replicas.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+CAPITAL = ({"role": "user", "content": "What is the capital of France?"},)
+STORY = ({"role": "user", "content": "Tell me a short story about a lighthouse keeper."},)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    loop = asyncio.new_event_loop()
+    eng = TorchEngine(EngineConfig(max_num_batched_tokens=128, max_num_seqs=16, max_model_len=2048))
+    loop.run_until_complete(eng.start())
+    yield loop, eng
+    loop.run_until_complete(eng.shutdown())
+    loop.close()
+
+
+def run(engine, coro):
+    loop, _ = engine
+    return loop.run_until_complete(coro)
+
+
+async def collect(eng: Engine, request: GenerateRequest):
+    return [chunk async for chunk in eng.generate(request)]
+
+
+def _all_blocks_free(eng: TorchEngine) -> bool:
+    load = eng.load()
+    return load.num_free_kv_blocks == load.num_total_kv_blocks and load.num_running == 0
+
+
+def test_is_an_engine(engine) -> None:
+    assert isinstance(engine[1], Engine)
+
+
+def test_stream_final_chunk_has_usage_and_ordered_timings(engine) -> None:
+    _, eng = engine
+    req = GenerateRequest("t1", SamplingParams(max_tokens=20, temperature=0.0), messages=CAPITAL)
+    chunks = run(engine, collect(eng, req))
+    assert all(not c.is_final for c in chunks[:-1]) and chunks[-1].is_final
+    assert "".join(c.text for c in chunks) == "The capital of France is Paris."
+    final = chunks[-1]
+    assert final.finish_reason is FinishReason.STOP
+    assert final.usage.num_output_tokens == sum(len(c.token_ids) for c in chunks)
+    assert final.usage.num_prompt_tokens > 10
+    t = final.timings
+    assert t.arrived_s <= t.first_scheduled_s <= t.first_token_s <= t.finished_s
+    assert t.num_prefill_chunks >= 1
+    assert _all_blocks_free(eng)
+
+
+def test_max_tokens_finishes_with_length(engine) -> None:
+    _, eng = engine
+    req = GenerateRequest("t2", SamplingParams(max_tokens=7, temperature=0.0), messages=STORY)
+    chunks = run(engine, collect(eng, req))
+    assert chunks[-1].finish_reason is FinishReason.LENGTH
+    assert chunks[-1].usage.num_output_tokens == 7
+
+
+def test_stop_string_truncates_text(engine) -> None:
+    _, eng = engine
+    params = SamplingParams(max_tokens=20, temperature=0.0, stop=("Paris",))
+    chunks = run(engine, collect(eng, GenerateRequest("t3", params, messages=CAPITAL)))
+    assert "".join(c.text for c in chunks) == "The capital of France is "
+    assert chunks[-1].finish_reason is FinishReason.STOP
+
+
+def test_stop_token_id(engine) -> None:
+    _, eng = engine
+    tok = eng.core.tokenizer
+    greedy = run(engine, collect(eng, GenerateRequest("t4a", SamplingParams(max_tokens=20, temperature=0.0), messages=CAPITAL)))
+    ids = [t for c in greedy for t in c.token_ids]
+    stop_id = ids[3]
+    params = SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=(stop_id,))
+    chunks = run(engine, collect(eng, GenerateRequest("t4b", params, messages=CAPITAL)))
+    got = [t for c in chunks for t in c.token_ids]
+    assert got == ids[:4] and chunks[-1].finish_reason is FinishReason.STOP
+    assert "".join(c.text for c in chunks) == tok.decode(ids[:3])
+
+
+def test_invalid_requests_are_rejected_before_scheduling(engine) -> None:
+    _, eng = engine
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(temperature=-0.5)
+    assert err.value.param == "temperature"
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(top_p=0.0)
+    assert err.value.param == "top_p"
+    too_long = GenerateRequest("t5", SamplingParams(max_tokens=4000), messages=CAPITAL)
+    with pytest.raises(InvalidRequestError) as err:
+        run(engine, collect(eng, too_long))
+    assert err.value.param == "max_tokens"
+    with pytest.raises(InvalidRequestError) as err:
+        run(engine, collect(eng, GenerateRequest("t6", prompt="")))
+    assert err.value.param == "prompt"
+    with pytest.raises(InvalidRequestError):
+        run(engine, collect(eng, GenerateRequest("t7", prompt_token_ids=(10**7,))))
+    assert eng.load().num_waiting == 0 and _all_blocks_free(eng)
+
+
+def test_same_seed_same_text_whatever_the_batch(engine) -> None:
+    _, eng = engine
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+
+    async def alone():
+        return await collect(eng, GenerateRequest("s-alone", params, messages=STORY))
+
+    async def crowded():
+        others = [
+            collect(eng, GenerateRequest(f"s-other{i}", SamplingParams(max_tokens=30, temperature=1.0), messages=CAPITAL))
+            for i in range(5)
+        ]
+        results = await asyncio.gather(collect(eng, GenerateRequest("s-crowd", params, messages=STORY)), *others)
+        return results[0]
+
+    a = "".join(c.text for c in run(engine, alone()))
+    b = "".join(c.text for c in run(engine, crowded()))
+    assert a == b and len(a) > 20
+    other = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=99)
+    c = "".join(x.text for x in run(engine, collect(eng, GenerateRequest("s-other-seed", other, messages=STORY))))
+    assert c != a
+
+
+def test_logprobs(engine) -> None:
+    _, eng = engine
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=True, top_logprobs=3)
+    chunks = run(engine, collect(eng, GenerateRequest("lp", params, messages=CAPITAL)))
+    for c in chunks:
+        for lp in c.logprobs:
+            assert lp.logprob <= 0.0 and len(lp.top) == 3
+            # greedy: the sampled token is the most likely one
+            assert lp.top[0][0] == lp.token_id and math.isclose(lp.top[0][1], lp.logprob)
+
+
+def test_abort_mid_stream_frees_blocks_at_once(engine) -> None:
+    _, eng = engine
+
+    async def scenario():
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        stream = eng.generate(GenerateRequest("ab", params, messages=STORY))
+        got = [await stream.__anext__(), await stream.__anext__()]
+        assert eng.load().num_running == 1
+        assert await eng.abort("ab") is True
+        assert _all_blocks_free(eng)  # abort returns once the blocks are freed
+        rest = [c async for c in stream]
+        assert await eng.abort("ab") is False
+        return got + rest
+
+    chunks = run(engine, scenario())
+    assert chunks[-1].finish_reason is FinishReason.ABORT
+    assert chunks[-1].usage.num_output_tokens < 200
+
+
+def test_reader_that_goes_away_frees_blocks(engine) -> None:
+    _, eng = engine
+
+    async def scenario():
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        readers = []
+        for i in range(4):
+            stream = eng.generate(GenerateRequest(f"gone{i}", params, messages=STORY))
+            readers.append(stream)
+            await stream.__anext__()
+        for stream in readers:
+            await stream.aclose()  # what a client disconnect does to the generator
+        return eng.load()
+
+    load = run(engine, scenario())
+    assert load.num_running == 0 and load.num_waiting == 0
+    assert load.num_free_kv_blocks == load.num_total_kv_blocks
+
+
+def test_concurrent_requests_and_health(engine) -> None:
+    _, eng = engine
+
+    async def scenario():
+        reqs = [
+            collect(eng, GenerateRequest(f"c{i}", SamplingParams(max_tokens=8 + i, temperature=0.0, ignore_eos=True), messages=STORY))
+            for i in range(12)
+        ]
+        results = await asyncio.gather(*reqs)
+        await eng.check_health()
+        return results
+
+    results = run(engine, scenario())
+    for i, chunks in enumerate(results):
+        assert chunks[-1].usage.num_output_tokens == 8 + i
+    assert _all_blocks_free(eng)
