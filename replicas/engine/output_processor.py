@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from replicas.engine.interface import Chunk, FinishReason, TokenLogprob, Usage, Timings
+from replicas.engine.interface import Chunk, FinishReason, Timings, TokenLogprob, Usage
 from replicas.engine.sequence import Sequence
 from replicas.engine.tokenizer import IncrementalDetokenizer
 
@@ -29,14 +29,22 @@ class RequestOutput:
         if token_id in params.stop_token_ids or (
             not params.ignore_eos and token_id in self.eos_token_ids
         ):
-            return FinishReason.STOP
+            return self._flush(FinishReason.STOP)
         self.detokenizer.add([token_id])
         self._text = self.detokenizer.text
         if params.stop and self._truncate_at_stop():
             return FinishReason.STOP
         if self.seq.num_output_tokens >= params.max_tokens or self.seq.num_tokens >= max_model_len:
-            return FinishReason.LENGTH
+            return self._flush(FinishReason.LENGTH)
         return None
+
+    def _flush(self, reason: FinishReason) -> FinishReason:
+        """Release text held back for an unfinished multi-byte character."""
+        if self.detokenizer.flush():
+            self._text = self.detokenizer.text
+            if self.seq.sampling.stop:
+                self._truncate_at_stop()
+        return reason
 
     def chunk(
         self,

@@ -96,7 +96,10 @@ def open_gguf(path: str) -> GGUFCheckpoint:
         raise ModelLoadError(f"not a readable GGUF file ({exc})", path) from exc
     metadata = _scalar_metadata(reader)
     tensors = tuple(reader.tensors)
-    config = gguf_model_config(metadata, _vocab_length(reader), tensors, path)
+    try:
+        config = gguf_model_config(metadata, _vocab_length(reader), tensors, path)
+    except (ValueError, TypeError) as exc:  # ModelConfig's own checks, non-numeric metadata
+        raise ModelLoadError(f"unsupported GGUF metadata ({exc})", path) from exc
     shapes: dict[str, tuple[int, ...]] = {}
     for tensor in tensors:
         name = engine_name(tensor.name)
@@ -157,8 +160,11 @@ def gguf_model_config(
         eos_token_ids=normalize_token_ids(
             [
                 metadata[k]
-                for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                          "tokenizer.ggml.eom_token_id")
+                for k in (
+                    "tokenizer.ggml.eos_token_id",
+                    "tokenizer.ggml.eot_token_id",
+                    "tokenizer.ggml.eom_token_id",
+                )
                 if k in metadata
             ]
         ),
@@ -207,8 +213,12 @@ def _scalar_metadata(reader: Any) -> dict[str, Any]:
 
     metadata: dict[str, Any] = {}
     for name, field in reader.fields.items():
-        if field.types and field.types[0] != gguf.GGUFValueType.ARRAY:
-            metadata[name] = field.contents()
+        if not field.types or field.types[0] == gguf.GGUFValueType.ARRAY:
+            continue
+        value = field.contents()
+        if field.types[0] == gguf.GGUFValueType.FLOAT32:
+            value = float(str(np.float32(value)))  # 1e-05, not 9.999999747378752e-06
+        metadata[name] = value
     return metadata
 
 
@@ -226,21 +236,21 @@ def _rope_scaling(
 ) -> dict[str, Any] | None:
     """transformers' rope_scaling dict from the ``{arch}.rope.scaling.*`` keys or rope_freqs."""
     kind = metadata.get(f"{arch}.rope.scaling.type")
-    factor = metadata.get(f"{arch}.rope.scaling.factor")
+    factor = float(metadata.get(f"{arch}.rope.scaling.factor", 1.0))
     if kind is None and f"{arch}.rope.scale_linear" in metadata:  # older files
-        kind, factor = "linear", metadata[f"{arch}.rope.scale_linear"]
+        kind, factor = "linear", float(metadata[f"{arch}.rope.scale_linear"])
     freqs = next((t for t in tensors if t.name == ROPE_FREQS_TENSOR), None)
     if freqs is not None:
         if kind not in (None, "none"):
             raise ModelLoadError(f"GGUF has both rope_freqs and rope scaling {kind!r}", path)
         return _llama3_scaling(_dequantize(freqs, path), rope, path)
-    if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
+    if kind in (None, "none") or (kind == "linear" and factor == 1.0):
         return None
     if kind == "linear":
-        return {"rope_type": "linear", "factor": float(factor)}
+        return {"rope_type": "linear", "factor": factor}
     if kind != "yarn":
         raise ModelLoadError(f"GGUF rope scaling type {kind!r} is not supported", path)
-    scaling: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor or 1.0)}
+    scaling: dict[str, Any] = {"rope_type": "yarn", "factor": factor}
     original = metadata.get(f"{arch}.rope.scaling.original_context_length")
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)

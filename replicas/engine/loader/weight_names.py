@@ -53,9 +53,7 @@ def expected_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weight_shapes(
-    found: Mapping[str, tuple[int, ...]], cfg: ModelConfig, path: str
-) -> None:
+def check_weight_shapes(found: Mapping[str, tuple[int, ...]], cfg: ModelConfig, path: str) -> None:
     """Raise ModelLoadError naming ``path`` unless ``found`` has exactly the expected tensors."""
     expected = expected_weight_shapes(cfg)
     missing = sorted(set(expected) - set(found))

@@ -37,28 +37,36 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to ``max_positions``, looked up per token."""
+    """cos/sin tables for every position up to ``max_positions``, looked up once per step."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         inv_freq, scaling = rope_inv_freq(cfg)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # (max_positions, head_dim // 2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (max_positions, head_dim)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        # transformers takes cos/sin of cat(freqs, freqs); both halves are equal, keep one.
+        self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (num_tokens, 1, head_dim)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(num_tokens,) -> cos, sin of shape (num_tokens, 1, head_dim // 2)."""
+        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
+        sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
+        return cos, sin
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, written half by half (no concatenation).
+
+    x: (num_tokens, num_heads, head_dim); cos, sin: (num_tokens, 1, head_dim // 2). Per element
+    this is exactly transformers' arithmetic: the first half is x1*c + (-x2)*s.
+    """
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty_like(x)
+    torch.addcmul(x1 * cos, -x2, sin, out=out[..., :half])
+    torch.addcmul(x2 * cos, x1, sin, out=out[..., half:])
+    return out
 
 
 class Attention(nn.Module):
@@ -81,8 +89,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # (num_tokens, hidden)
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -91,7 +98,7 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -121,12 +128,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -150,8 +156,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # (num_tokens, hidden): final hidden states, before the norm
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ class ModelConfig:
             raise ValueError(
                 f"architecture {self.architecture!r} is not one of {SUPPORTED_ARCHITECTURES}"
             )
-        if self.num_heads % self.num_kv_heads != 0:
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
@@ -69,7 +69,7 @@ class ModelConfig:
         return str(self.rope_scaling.get("rope_type", "default"))
 
     def to_hf_config(self) -> Any:
-        """The equivalent transformers config (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``)."""
+        """The equivalent transformers ``LlamaConfig``, ``MistralConfig`` or ``Qwen2Config``."""
         import transformers
 
         kwargs: dict[str, Any] = {
@@ -157,7 +157,9 @@ def rope_from_hf_config(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     else:
         theta = getattr(hf_config, "rope_theta", None)
         scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
-    return float(theta if theta is not None else DEFAULT_ROPE_THETA), normalize_rope_scaling(scaling)
+    return float(theta if theta is not None else DEFAULT_ROPE_THETA), normalize_rope_scaling(
+        scaling
+    )
 
 
 def normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
