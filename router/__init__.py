@@ -1,0 +1,1 @@
+"""The OpenAI-compatible router: auth, quotas, tenant queues in Redis, dispatch (coming next)."""

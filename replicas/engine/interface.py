@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 from replicas.engine.sampling_params import SamplingParams
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why a request stopped; the values are OpenAI's ``finish_reason`` strings."""
 
     STOP = "stop"  # a stop string, a stop token or EOS

@@ -15,11 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from replicas.engine.attention import AttentionMetadata, paged_attention
+from replicas.engine.models.cpu_linear import pack_linears
 from replicas.engine.models.model_config import ModelConfig
 from replicas.engine.models.rope import rope_inv_freq
-
-# lm_head GEMMs over the whole vocabulary run ~1.5x faster on CPU in slices of this many rows.
-LOGITS_VOCAB_SLICE = 4096
 
 
 class RMSNorm(nn.Module):
@@ -164,10 +162,16 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(num_sampled, hidden) hidden states of sampling positions -> (num_sampled, vocab)."""
         hidden = self.norm(hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if hidden.device.type != "cpu" or hidden.shape[0] < 8:
-            return F.linear(hidden, weight)
-        return torch.cat([F.linear(hidden, w) for w in weight.split(LOGITS_VOCAB_SLICE)], dim=-1)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        return F.linear(hidden, self.embed_tokens.weight)
+
+    def pack_for_cpu(self, batch_hint: int) -> None:
+        """Swap every projection (and the vocabulary head) for oneDNN-packed ones."""
+        if self.lm_head is None:  # tied: the head gets its own packed copy of the embedding
+            self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False)
+            self.lm_head.weight = self.embed_tokens.weight
+        pack_linears(self, batch_hint)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
