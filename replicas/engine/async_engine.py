@@ -46,9 +46,9 @@ class _Abort:
 
 
 class TorchEngine:
-    def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self._core = core
+        self._core: EngineCore | None = None
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
@@ -60,17 +60,28 @@ class TorchEngine:
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Load the model on the engine thread and start its loop.
+
+        The model is built on the thread that runs it: torch steps measured ~1.4x slower on a
+        thread other than the one that loaded the weights and set up the thread pools.
+        """
         if self._thread is not None:
             return
-        if self.config.num_threads is not None:
-            torch.set_num_threads(self.config.num_threads)
-        if self._core is None:
-            self._core = await asyncio.to_thread(EngineCore, self.config)
-        self._load = self._core.load()
-        self._thread = threading.Thread(target=self._run, name="fairserve-engine", daemon=True)
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future = loop.create_future()
+        self._thread = threading.Thread(
+            target=self._run, args=(loop, ready), name="fairserve-engine", daemon=True
+        )
         self._thread.start()
+        try:
+            await ready
+        except BaseException:
+            self._thread.join()
+            self._thread = None
+            raise
 
     async def shutdown(self) -> None:
+        """Abort every request (each stream gets its final ABORT chunk) and stop the loop."""
         if self._thread is None:
             return
         self._stopping.set()
@@ -141,8 +152,16 @@ class TorchEngine:
 
     # ---- the engine thread -----------------------------------------------------------------
 
-    def _run(self) -> None:
-        core = self.core
+    def _run(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Future) -> None:
+        try:
+            if self.config.num_threads is not None:
+                torch.set_num_threads(self.config.num_threads)
+            core = self._core = EngineCore(self.config)
+            self._load = core.load()
+        except BaseException as exc:  # noqa: BLE001 - handed to start()'s caller
+            loop.call_soon_threadsafe(_fail, ready, exc)
+            return
+        loop.call_soon_threadsafe(_resolve, ready, True)
         try:
             while not self._stopping.is_set():
                 self._drain_commands(block=not core.has_unfinished)
@@ -226,3 +245,8 @@ def _put_all(items: list[tuple[asyncio.Queue, Chunk]]) -> None:
 def _resolve(future: asyncio.Future, value: bool) -> None:
     if not future.done():
         future.set_result(value)
+
+
+def _fail(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
