@@ -31,3 +31,14 @@ def make_sequence(
         token_ids = make_token_ids(request_id, num_prompt_tokens)
     sampling = SamplingParams(max_tokens=max_tokens, **sampling_kwargs)  # type: ignore[arg-type]
     return Sequence.from_prompt(request_id, token_ids, sampling)
+
+
+# The shape of the tiny random-weight models the model and loader tests build.
+TINY_MODEL_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)

@@ -40,16 +40,9 @@ from replicas.engine.loader import ModelSource, load_model_source
 from replicas.engine.loader.gguf_loader import open_gguf
 from replicas.engine.models.model_config import ModelConfig
 from replicas.engine.models.rope import rope_inv_freq
+from tests.replicas.engine.factories import TINY_MODEL_SHAPE
 
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
+TINY = dict(vocab_size=128, **TINY_MODEL_SHAPE)
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 500000.0,

@@ -25,16 +25,9 @@ from replicas.engine.models.model_config import ModelConfig
 from replicas.engine.sampling_params import SamplingParams
 from replicas.engine.scheduler import Scheduler, SchedulerConfig
 from replicas.engine.sequence import Sequence
+from tests.replicas.engine.factories import TINY_MODEL_SHAPE
 
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
+TINY = dict(vocab_size=256, **TINY_MODEL_SHAPE)
 
 ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
