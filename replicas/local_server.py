@@ -95,8 +95,9 @@ async def _respond(engine: TorchEngine, req: GenerateRequest, body: dict, model:
         return StreamingResponse(_sse(first, stream, req.request_id, model, chat), media_type="text/event-stream")
     chunks = [first] + [c async for c in stream]
     final = chunks[-1]
+    assert final.finish_reason is not None, "a stream ends with its final chunk"
     text = "".join(c.text for c in chunks)
-    choice = {"index": 0, "finish_reason": final.finish_reason.value}
+    choice: dict[str, object] = {"index": 0, "finish_reason": final.finish_reason.value}
     choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
     return {
         "id": req.request_id,
@@ -129,6 +130,7 @@ async def _sse(first: Chunk, rest: AsyncIterator[Chunk], rid: str, model: str, c
 
 def _usage(final: Chunk) -> dict:
     u = final.usage
+    assert u is not None, "the final chunk carries usage"
     return {
         "prompt_tokens": u.num_prompt_tokens,
         "completion_tokens": u.num_output_tokens,

@@ -37,6 +37,9 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to ``max_positions``, looked up once per step."""
 
+    cos: torch.Tensor  # (max_positions, head_dim // 2)
+    sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         inv_freq, scaling = rope_inv_freq(cfg)
@@ -182,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         packs = self._packing()
-        expected = set()
+        expected: set[str] = set()
         for name in params:
             parts = [hf for hf, (fused, _, _) in packs.items() if f".{fused}." in name]
             expected.update(name.replace(packs[hf][0], hf) for hf in parts)
