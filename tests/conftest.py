@@ -14,3 +14,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory):
+    """One real redis-server for the session, on a free port, with its own data directory."""
+    from cluster.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_client(redis_server):
+    """A client of the session's server, flushed before each test."""
+    client = redis_server.client(decode_responses=False)
+    client.flushall()
+    yield client
+    client.close()

