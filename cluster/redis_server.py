@@ -8,6 +8,7 @@ and is stopped cleanly (SHUTDOWN, which fsyncs the AOF) or killed on purpose by 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib.util
 import logging
@@ -130,10 +131,9 @@ class EmbeddedRedis:
         if not self.is_running:
             return
         assert self._process is not None
-        try:
+        # the server closes the connection as it exits
+        with contextlib.suppress(redis.ConnectionError):
             self.client(socket_timeout=STOP_TIMEOUT_S).shutdown(nosave=True)
-        except redis.ConnectionError:
-            pass  # the server closes the connection as it exits
         try:
             self._process.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
