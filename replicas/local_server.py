@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -23,6 +23,7 @@ from replicas.engine.sampling_params import SamplingParams
 
 SAMPLING_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
                    "stream", "model", "user", "stream_options"}
+DEFAULT_MAX_TOKENS = 256
 
 
 def build_app(engine: TorchEngine, model_name: str) -> FastAPI:
@@ -44,7 +45,7 @@ def build_app(engine: TorchEngine, model_name: str) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await request.json()
+        body = await _json_object(request)
         _reject_unknown(body, {"prompt"})
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
@@ -54,7 +55,7 @@ def build_app(engine: TorchEngine, model_name: str) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = await request.json()
+        body = await _json_object(request)
         _reject_unknown(body, {"messages"})
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -73,10 +74,21 @@ def _reject_unknown(body: dict, extra: set[str]) -> None:
         raise InvalidRequestError("only n=1 is supported", "n")
 
 
+async def _json_object(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise InvalidRequestError(f"the body is not valid JSON: {exc}", None) from exc
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the body must be a JSON object", None)
+    return body
+
+
 def _sampling(body: dict) -> SamplingParams:
     stop = body.get("stop") or ()
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     return SamplingParams(
-        max_tokens=body.get("max_completion_tokens") or body.get("max_tokens") or 256,
+        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
         temperature=body.get("temperature", 1.0),
         top_p=body.get("top_p", 1.0),
         seed=body.get("seed"),
@@ -109,7 +121,7 @@ async def _respond(engine: TorchEngine, req: GenerateRequest, body: dict, model:
     }
 
 
-async def _sse(first: Chunk, rest: AsyncIterator[Chunk], rid: str, model: str, chat: bool):
+async def _sse(first: Chunk, rest: AsyncGenerator[Chunk, None], rid: str, model: str, chat: bool):
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def event(chunk: Chunk, role: bool = False) -> str:
@@ -122,10 +134,13 @@ async def _sse(first: Chunk, rest: AsyncIterator[Chunk], rid: str, model: str, c
         payload = {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice]}
         return f"data: {json.dumps(payload)}\n\n"
 
-    yield event(first, role=True)
-    async for chunk in rest:
-        yield event(chunk)
-    yield "data: [DONE]\n\n"
+    try:
+        yield event(first, role=True)
+        async for chunk in rest:
+            yield event(chunk)
+        yield "data: [DONE]\n\n"
+    finally:
+        await rest.aclose()  # a client that hung up aborts its request and frees its blocks
 
 
 def _usage(final: Chunk) -> dict:

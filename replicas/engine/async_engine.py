@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import torch
@@ -97,7 +97,7 @@ class TorchEngine:
 
     # ---- the Engine API --------------------------------------------------------------------
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[Chunk, None]:
         self._check_alive()
         prepared = self.core.prepare(request)  # raises InvalidRequestError before scheduling
         loop = asyncio.get_running_loop()

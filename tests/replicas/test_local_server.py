@@ -51,3 +51,12 @@ def test_bad_fields_get_openai_errors(client) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
     r = client.post("/v1/chat/completions", json={"model": "smol", "messages": QUESTION, "frobnicate": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
+
+
+def test_max_tokens_zero_and_non_object_bodies_are_refused(client) -> None:
+    r = client.post("/v1/completions", json={"model": "smol", "prompt": "Hi", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = client.post("/v1/completions", json=["not", "an", "object"])
+    assert r.status_code == 400
+    r = client.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400

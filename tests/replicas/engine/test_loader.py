@@ -490,14 +490,8 @@ def test_directory_without_tokenizer_or_with_missing_weights(tmp_path: Path) -> 
 def test_config_from_transformers_4_attributes() -> None:
     legacy = SimpleNamespace(
         model_type="llama",
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY,
         rms_norm_eps=1e-6,
-        max_position_embeddings=512,
         rope_theta=5e5,
         rope_scaling={"type": "linear", "factor": 2.0},
         bos_token_id=1,
