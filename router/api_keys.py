@@ -1,0 +1,104 @@
+"""API keys: created once and shown once, stored only as SHA-256 digests.
+
+A key reads ``fs-<key id>-<secret>``: the key id (8 hex digits) names it for listing and
+revocation, the secret is 32 random bytes. Redis keeps ``fs:apikey:<sha256 hex>`` -> tenant and
+``fs:{t}:keys`` key id -> digest; lookup is by digest, and the stored digest is compared with
+the presented one in constant time. No cache: a revoked key is refused on the next request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from router import keys
+from router.errors import (
+    AuthenticationError,
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    PermissionDeniedError,
+    StoredDataError,
+)
+from router.scripts import Script, Scripts
+
+KEY_PREFIX = "fs-"
+KEY_ID_HEX_CHARS = 8
+KEY_SECRET_BYTES = 32
+MAX_KEY_CHARS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class CreatedKey:
+    tenant_id: str
+    key_id: str
+    secret: str  # the whole key; shown to the operator once, never stored
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a request is from."""
+
+    tenant_id: str
+    key_id: str
+
+
+def digest(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+class ApiKeys:
+    def __init__(self, scripts: Scripts) -> None:
+        self.scripts = scripts
+        self.client: aioredis.Redis = scripts.client
+
+    async def create(self, tenant_id: str, label: str = "") -> CreatedKey:
+        keys.check_tenant_id(tenant_id)
+        key_id = secrets.token_hex(KEY_ID_HEX_CHARS // 2)
+        secret = f"{KEY_PREFIX}{key_id}-{secrets.token_urlsafe(KEY_SECRET_BYTES)}"
+        reply = await self.scripts.run(Script.KEY_CREATE, tenant_id, key_id, digest(secret), label)
+        if reply[0] == b"missing":
+            raise NotFoundError(f"unknown tenant {tenant_id!r}", param="tenant")
+        if reply[0] == b"exists":  # a random collision: vanishingly rare, never silent
+            raise ConflictError("key id collision; create the key again", param="key_id")
+        return CreatedKey(tenant_id, key_id, secret)
+
+    async def revoke(self, tenant_id: str, key_id: str) -> None:
+        keys.check_tenant_id(tenant_id)
+        reply = await self.scripts.run(Script.KEY_REVOKE, tenant_id, key_id)
+        if reply[0] == b"missing":
+            raise NotFoundError(f"tenant {tenant_id!r} has no key {key_id!r}", param="key_id")
+
+    async def list(self, tenant_id: str) -> list[str]:
+        """Key ids of a tenant (the secrets are not kept)."""
+        return sorted(k.decode() for k in await self.client.hkeys(keys.api_keys(tenant_id)))
+
+    async def authenticate(self, api_key: str | None, tenant_id: str | None = None) -> Principal:
+        """The tenant of a key. ``tenant_id``: the tenant the caller claims, if any; a key of
+        another tenant is refused (403) without saying whether that tenant exists."""
+        if not api_key:
+            raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
+        if len(api_key) > MAX_KEY_CHARS or not api_key.isascii():
+            raise AuthenticationError("invalid API key")
+        presented = digest(api_key)
+        record = await self.client.hgetall(keys.api_key(presented))
+        stored = record.get(b"digest", b"").decode()
+        if not record or not hmac.compare_digest(stored, presented):
+            raise AuthenticationError("invalid API key")
+        try:
+            owner = record[b"tenant"].decode()
+            key_id = record[b"key_id"].decode()
+            keys.check_tenant_id(owner)
+        except (KeyError, UnicodeDecodeError, InvalidRequestError):
+            raise StoredDataError(f"malformed API key record {keys.api_key(presented)}") from None
+        if tenant_id is not None and keys.check_tenant_id(tenant_id) != owner:
+            raise PermissionDeniedError("this API key does not belong to that tenant",
+                                        param="tenant")
+        disabled = await self.client.hget(keys.tenant(owner), "disabled")
+        if disabled == b"1":
+            raise PermissionDeniedError(f"tenant {owner!r} is disabled", param="tenant")
+        return Principal(owner, key_id)

@@ -1,0 +1,24 @@
+"""Settings of the tenant queues (a branch of the cluster's settings tree)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class QueueSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lease_ms: int = Field(
+        30_000, ge=100, le=3_600_000,
+        description="how long a grant is held without renewal before the reaper requeues it",
+    )
+    max_deliveries: int = Field(
+        3, ge=1, le=100, description="grants of one request before it is dead-lettered"
+    )
+    max_grants_per_call: int = Field(
+        32, ge=1, le=1000, description="most requests one grant call hands out"
+    )
+    reap_batch: int = Field(500, ge=1, le=100_000, description="expired leases looked at per reap")
+    queue_full_retry_after_ms: int = Field(
+        1_000, ge=0, le=600_000, description="Retry-After sent when a tenant's queue is full"
+    )

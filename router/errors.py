@@ -1,0 +1,91 @@
+"""The router's exceptions. Each maps to one OpenAI error body and HTTP status (in one place,
+the HTTP layer); ``status`` and ``code`` here say which."""
+
+from __future__ import annotations
+
+
+class RouterError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequestError(RouterError):
+    """Bad input, naming the offending field in ``param``."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class AuthenticationError(RouterError):
+    """No API key, or one that is unknown or revoked."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class PermissionDeniedError(RouterError):
+    """The key is valid but not for what it asked (another tenant, a disabled tenant)."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "permission_denied"
+
+
+class NotFoundError(RouterError):
+    """No such tenant or request (for this tenant: other tenants' requests are invisible)."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class ConflictError(RouterError):
+    """The operation does not fit the current state (an id reused for another request)."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
+class RequestTooLargeError(RouterError):
+    """The request alone exceeds a limit that time will not lift (TPM, daily budget)."""
+
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class RateLimitError(RouterError):
+    """A quota was hit or the tenant's queue is full; retry after ``retry_after_s``."""
+
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, message: str, reason: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.code = reason
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class StoredDataError(RouterError):
+    """Data in Redis is malformed (hand-edited, or written by an incompatible version)."""
+
+    status = 500
+    type = "server_error"
+    code = "stored_data_error"
+
+
+class LeaseLostError(RouterError):
+    """A dispatcher acted on a request whose lease it no longer holds."""
+
+    status = 409
+    type = "server_error"
+    code = "lease_lost"

@@ -1,0 +1,124 @@
+"""Typed records exchanged with the tenant queues: what goes in, what a dispatcher is granted."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class RequestState(enum.StrEnum):
+    QUEUED = "queued"
+    LEASED = "leased"
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+    DEAD = "dead"  # dead-lettered: delivered max_deliveries times without completing
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (RequestState.COMPLETED, RequestState.CANCELLED, RequestState.DEAD)
+
+
+class CancelOutcome(enum.StrEnum):
+    CANCELLED = "cancelled"  # was queued: left the queue, reservation refunded
+    FLAGGED = "flagged"  # is running: its dispatcher sees the flag and aborts it
+    ALREADY_ENDED = "ended"
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitRequest:
+    tenant_id: str
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    body: str  # the API request as JSON; opaque to the queue
+    meta: str = ""  # e.g. the W3C traceparent; opaque to the queue
+    expected_output_tokens: int | None = None  # fair-share cost estimate; None: max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    request_id: str
+    state: RequestState
+    is_duplicate: bool  # the id was known: this is the existing request, not a second copy
+    queue_depth: int | None  # the tenant's queue length after the push (new requests only)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """The right to run one delivery (attempt) of one request, until it expires or is renewed."""
+
+    tenant_id: str
+    request_id: str
+    holder: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    lease: Lease
+    lease_deadline_ms: int
+    body: str
+    meta: str
+    prompt_tokens: int
+    max_tokens: int
+    created_ms: int
+    grant_seq: int  # position in the global order of grants
+
+    @property
+    def tenant_id(self) -> str:
+        return self.lease.tenant_id
+
+    @property
+    def request_id(self) -> str:
+        return self.lease.request_id
+
+
+@dataclass(frozen=True, slots=True)
+class GrantBatch:
+    grants: list[Grant]
+    warnings: list[str]  # stored data the grant script skipped or read leniently
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseStatus:
+    deadline_ms: int
+    is_cancel_requested: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ReapResult:
+    num_requeued: int
+    num_dead: int
+    num_dropped: int  # lease entries of requests that had already moved on
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """A request as stored (its body left out)."""
+
+    tenant_id: str
+    request_id: str
+    state: RequestState
+    prompt_tokens: int
+    max_tokens: int
+    reserved_tokens: int
+    deliveries: int
+    created_ms: int
+    is_cancel_requested: bool
+    holder: str | None
+    lease_deadline_ms: int | None
+    prompt_tokens_used: int | None
+    output_tokens_used: int | None
+    finish_reason: str | None
+    end_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEvent:
+    event_id: str  # resume after this id
+    type: str  # "chunk", "end" (terminal), "error" (terminal), or a dispatcher's own type
+    data: str
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.type in ("end", "error")

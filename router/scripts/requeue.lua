@@ -1,0 +1,12 @@
+-- requeue: the holder gives a request back (its replica died before the first token, say): it
+-- goes to the head of its tenant's queue with its fairness credit, or to the dead-letter set
+-- once it has been delivered max_deliveries times.
+-- KEYS: none passed. Writes fs:{t}:req:<id>, fs:{t}:queue, fs:{t}:state, fs:{t}:stats,
+--   fs:{sched}:ready:<class>, fs:{sched}:classes, fs:{sched}:leases; when dead also
+--   fs:{t}:dead, fs:{t}:budget:<day>, fs:{t}:stream:<id>.
+-- ARGV: 3 tenant, 4 request id, 5 holder id, 6 attempt, 7 max deliveries, 8 reason.
+-- Returns {"queued"} or {"dead"}, or {"stale", state or "missing"}.
+local t, rid, holder, attempt = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local r = load_request(t, rid)
+if not lease_ok(r, holder, attempt) then return {'stale', r and r.state or 'missing'} end
+return {requeue(t, rid, r, ARGV[8], tonumber(ARGV[7]), clock_ms())}

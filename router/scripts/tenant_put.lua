@@ -1,0 +1,28 @@
+-- tenant_put: create or replace a tenant's settings; a tenant with backlog that changes
+-- priority class moves to its new class keeping its finish tag.
+-- KEYS: none passed. Writes fs:tenants, fs:{t}:tenant; may move fs:{sched}:ready:<class>,
+--   fs:{sched}:classes.
+-- ARGV: 3 tenant, 4 settings JSON (field -> value; absent fields are unlimited/unset),
+--   5 "create" (refuse if it exists), "update" (refuse if missing) or "upsert".
+-- Returns {"ok", "created" or "updated"} or {"exists"} or {"missing"}.
+local t, settings, mode = ARGV[3], cjson.decode(ARGV[4]), ARGV[5]
+local tk = key('tenant', t)
+local exists = redis.call('EXISTS', tk) == 1
+if mode == 'create' and exists then return {'exists'} end
+if mode == 'update' and not exists then return {'missing'} end
+local old = tonumber(redis.call('HGET', tk, 'priority') or '0') or 0
+redis.call('DEL', tk)
+local args = {}
+for field, value in pairs(settings) do
+  args[#args + 1] = field
+  args[#args + 1] = tostring(value)
+end
+redis.call('HSET', tk, unpack(args))
+redis.call('SADD', K.tenants, t)
+local new = tonumber(settings.priority or 0)
+if new ~= old and redis.call('ZSCORE', key('ready', old), t) then
+  redis.call('ZREM', key('ready', old), t)
+  if redis.call('ZCARD', key('ready', old)) == 0 then redis.call('ZREM', K.classes, old) end
+  mark_ready(t, new)
+end
+return {'ok', exists and 'updated' or 'created'}
