@@ -12,13 +12,14 @@ import logging
 import sys
 import time
 
-from replicas.engine.config import EngineConfig
+from cluster.tenants_cli import add_tenants_parser
 
 
 def _up(args: argparse.Namespace) -> int:
     import uvicorn
 
     from replicas.engine.async_engine import TorchEngine
+    from replicas.engine.config import EngineConfig
     from replicas.local_server import build_app
 
     config = EngineConfig(**({"model": args.model} if args.model else {}), num_threads=args.threads)
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--model", default=None, help="a GGUF file or a Hugging Face directory")
     up.add_argument("--threads", type=int, default=None, help="torch threads for the engine")
     up.set_defaults(func=_up)
+    add_tenants_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

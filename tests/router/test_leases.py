@@ -50,7 +50,8 @@ def test_expired_lease_is_reaped_to_the_head_and_the_old_holder_is_fenced(redis_
             clock.advance(2)
             assert (await h.queues.reap()).num_requeued == 1
             assert await h.queues.queued_ids("acme") == ["r0", "r1", "r2"]  # back at the head
-            (again,) = (await h.queues.grant("new", free_slots=1)).grants
+            # the same holder id again (a restarted dispatcher): the attempt number alone fences it
+            (again,) = (await h.queues.grant("old", free_slots=1)).grants
             assert again.request_id == "r0" and again.lease.attempt == 2
             for stale in (h.queues.renew(first.lease),
                           h.queues.complete(first.lease, 10, 5, "stop"),

@@ -1,0 +1,286 @@
+"""The ``fairserve tenants`` subcommands: tenants and their API keys, in the Redis the routers share.
+
+``add``, ``list``, ``set``, ``key-create``, ``key-revoke`` and ``load`` (a YAML file, see
+``router.tenants``). Every subcommand takes ``--redis-url`` (default ``$FAIRSERVE_REDIS_URL``,
+else ``redis://127.0.0.1:6379/0``). A change applies to the next request: the routers read a
+tenant's settings on every admission. Errors print one ``error: ...`` line to stderr and exit 1
+(argparse's usage errors exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+
+from router.api_keys import ApiKeys
+from router.errors import InvalidRequestError, RouterError
+from router.scripts import Scripts
+from router.tenants import Tenant, TenantStore, load_tenants_file
+
+REDIS_URL_ENV = "FAIRSERVE_REDIS_URL"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+REDIS_CONNECT_TIMEOUT_S = 5.0
+EXIT_ERROR = 1
+UNLIMITED = "-"
+
+# Tenant fields the options set, in the order the table shows them.
+SETTINGS = ("weight", "priority", "rpm", "tpm", "daily_tokens", "max_tokens", "max_queued",
+            "disabled")
+TABLE_COLUMNS = ("id", *SETTINGS, "keys")
+
+
+@dataclass(frozen=True, slots=True)
+class Admin:
+    """What a subcommand works with: the stores, on one client of the shared Redis."""
+
+    tenants: TenantStore
+    api_keys: ApiKeys
+
+
+Command = Callable[[Admin, argparse.Namespace], Awaitable[int]]
+
+
+# ---- the parser ----
+
+
+def add_tenants_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Registers ``fairserve tenants ...`` on the top-level subparsers."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--redis-url", default=os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL),
+        help=f"the Redis the routers share (default: ${REDIS_URL_ENV}, else {DEFAULT_REDIS_URL})",
+    )
+    tenants = sub.add_parser("tenants", help="add, list and change tenants and their API keys")
+    commands = tenants.add_subparsers(dest="tenants_command", required=True)
+
+    add = _command(commands, common, "add", "add a tenant (refused if the id exists)", _add)
+    add.add_argument("tenant_id", metavar="ID")
+    _add_settings_options(add, is_change=False)
+
+    listing = _command(commands, common, "list", "list the tenants and their settings", _list)
+    listing.add_argument("--json", action="store_true", help="print a JSON list")
+
+    change = _command(commands, common, "set", "change some settings of a tenant", _set)
+    change.add_argument("tenant_id", metavar="ID")
+    _add_settings_options(change, is_change=True)
+
+    create = _command(commands, common, "key-create", "create an API key (shown once)",
+                      _key_create)
+    create.add_argument("tenant_id", metavar="ID")
+    create.add_argument("--label", default="", help="a note stored with the key")
+
+    revoke = _command(commands, common, "key-revoke", "revoke an API key at once", _key_revoke)
+    revoke.add_argument("tenant_id", metavar="ID")
+    revoke.add_argument("key_id", metavar="KEY_ID")
+
+    load = _command(commands, common, "load", "create or replace the tenants of a YAML file",
+                    _load)
+    load.add_argument("path", metavar="FILE")
+
+
+def _command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    common: argparse.ArgumentParser,
+    name: str,
+    help_text: str,
+    handler: Command,
+) -> argparse.ArgumentParser:
+    parser = commands.add_parser(name, parents=[common], help=help_text, description=help_text)
+    parser.set_defaults(func=run_tenants_command, handler=handler)
+    return parser
+
+
+def _add_settings_options(parser: argparse.ArgumentParser, is_change: bool) -> None:
+    """The tenant settings; an option not given is absent from the namespace (SUPPRESS), so
+    ``add`` keeps the model's defaults and ``set`` leaves the field as it is."""
+    unset = argparse.SUPPRESS
+    clear = " ('none': unlimited)"
+    parser.add_argument("--weight", type=float, default=unset, metavar="W",
+                        help="share of capacity under contention (default 1)")
+    parser.add_argument("--priority", type=int, default=unset, metavar="P",
+                        help="strict priority class 0-9; higher is served first (default 0)")
+    parser.add_argument("--rpm", type=_limit, default=unset, metavar="N",
+                        help="requests per minute" + clear)
+    parser.add_argument("--tpm", type=_limit, default=unset, metavar="N",
+                        help="tokens per minute (prompt + max_tokens)" + clear)
+    parser.add_argument("--daily-tokens", type=_limit, default=unset, metavar="N",
+                        help="token budget per UTC day" + clear)
+    parser.add_argument("--max-tokens", type=int, default=unset, metavar="N",
+                        help="cap on a request's max_tokens")
+    parser.add_argument("--max-queued", type=int, default=unset, metavar="N",
+                        help="cap on requests waiting in the tenant's queue")
+    if not is_change:
+        parser.add_argument("--disabled", action="store_true", default=unset,
+                            help="refuse the tenant's new requests")
+        return
+    switch = parser.add_mutually_exclusive_group()
+    switch.add_argument("--enabled", dest="disabled", action="store_false", default=unset,
+                        help="accept the tenant's new requests again")
+    switch.add_argument("--disabled", dest="disabled", action="store_true", default=unset,
+                        help="refuse the tenant's new requests (queued ones still run)")
+
+
+def _limit(text: str) -> int | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}
+
+
+# ---- running a subcommand ----
+
+
+def run_tenants_command(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(_with_admin(args))
+    except RouterError as exc:
+        return _fail(exc.message)
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        return _fail(f"cannot reach Redis at {redacted_url(args.redis_url)}: {exc}")
+    except redis.exceptions.RedisError as exc:
+        return _fail(f"Redis at {redacted_url(args.redis_url)} answered an error: {exc}")
+
+
+async def _with_admin(args: argparse.Namespace) -> int:
+    try:
+        client = aioredis.from_url(args.redis_url, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
+    except ValueError as exc:
+        raise InvalidRequestError(
+            f"invalid --redis-url {redacted_url(args.redis_url)!r}: {exc}", param="redis_url"
+        ) from None
+    try:
+        scripts = Scripts(client)
+        handler: Command = args.handler
+        return await handler(Admin(TenantStore(scripts), ApiKeys(scripts)), args)
+    finally:
+        await client.aclose()
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def redacted_url(url: str) -> str:
+    """The URL with its password masked, fit for an error message."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+    except ValueError:
+        return "<unparsable URL>"
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+
+# ---- the subcommands ----
+
+
+async def _add(admin: Admin, args: argparse.Namespace) -> int:
+    tenant = _validated({"id": args.tenant_id, **_settings(args)})
+    await admin.tenants.add(tenant)
+    print(f"added tenant {tenant.id}: {_describe(tenant, SETTINGS)}")
+    return 0
+
+
+async def _set(admin: Admin, args: argparse.Namespace) -> int:
+    changes = _settings(args)
+    if not changes:
+        raise InvalidRequestError(
+            "nothing to set: give at least one of --weight, --priority, --rpm, --tpm, "
+            "--daily-tokens, --max-tokens, --max-queued, --enabled, --disabled"
+        )
+    tenant = await admin.tenants.update(args.tenant_id, **changes)
+    print(f"updated tenant {tenant.id}: {_describe(tenant, tuple(changes))}")
+    return 0
+
+
+async def _list(admin: Admin, args: argparse.Namespace) -> int:
+    rows = [(t, len(await admin.api_keys.list(t.id))) for t in await admin.tenants.list()]
+    if args.json:
+        print(json.dumps([{**t.model_dump(), "num_keys": n} for t, n in rows], indent=2))
+    elif not rows:
+        print("no tenants")
+    else:
+        print(_table([[_cell(t, name) for name in TABLE_COLUMNS[:-1]] + [str(n)]
+                      for t, n in rows]))
+    return 0
+
+
+async def _key_create(admin: Admin, args: argparse.Namespace) -> int:
+    created = await admin.api_keys.create(args.tenant_id, label=args.label)
+    # the key alone on stdout, so that KEY=$(fairserve tenants key-create ...) works
+    print(created.secret)
+    print(f"created key {created.key_id} for tenant {created.tenant_id}. Copy it now: it is not "
+          "stored (only its SHA-256 digest is) and cannot be shown again.", file=sys.stderr)
+    return 0
+
+
+async def _key_revoke(admin: Admin, args: argparse.Namespace) -> int:
+    await admin.tenants.get(args.tenant_id)  # an unknown tenant is named as such
+    await admin.api_keys.revoke(args.tenant_id, args.key_id)
+    print(f"revoked key {args.key_id} of tenant {args.tenant_id}: refused from the next request")
+    return 0
+
+
+async def _load(admin: Admin, args: argparse.Namespace) -> int:
+    try:
+        tenants = load_tenants_file(args.path)
+    except OSError as exc:
+        raise InvalidRequestError(f"cannot read {args.path}: {exc.strerror or exc}",
+                                  param="path") from None
+    created, updated = await admin.tenants.load(tenants)
+    print(f"loaded {len(tenants)} tenants from {args.path}: {created} created, {updated} updated")
+    return 0
+
+
+# ---- validation and display ----
+
+
+def _validated(fields: dict[str, Any]) -> Tenant:
+    try:
+        return Tenant.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "tenant"
+        message = first["msg"].removeprefix("Value error, ")
+        raise InvalidRequestError(f"{field}: {message}", param=field) from None
+
+
+def _cell(tenant: Tenant, name: str) -> str:
+    value = getattr(tenant, name)
+    if value is None:
+        return UNLIMITED
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _describe(tenant: Tenant, names: tuple[str, ...]) -> str:
+    return " ".join(f"{name}={_cell(tenant, name)}" for name in names)
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in [list(TABLE_COLUMNS), *rows])
+              for i in range(len(TABLE_COLUMNS))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+                     .rstrip() for row in [list(TABLE_COLUMNS), *rows])
