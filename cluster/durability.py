@@ -17,6 +17,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import redis
 import redis.asyncio as aioredis
@@ -64,7 +65,8 @@ def crash_trial(data_dir: Path, appendfsync: AppendFsync, kill_after_s: float) -
     restarted = EmbeddedRedis(data_dir, port=server.port, appendfsync=appendfsync).start()
     try:
         client = restarted.client()
-        survivors = [m.decode() for m in client.lrange(keys.queue(TENANT_ID), 0, -1)]
+        queued = cast(list[bytes], client.lrange(keys.queue(TENANT_ID), 0, -1))
+        survivors = [m.decode() for m in queued]
         client.close()
     finally:
         restarted.stop()

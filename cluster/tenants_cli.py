@@ -213,7 +213,7 @@ async def _set(admin: Admin, args: argparse.Namespace) -> int:
 
 
 async def _list(admin: Admin, args: argparse.Namespace) -> int:
-    rows = [(t, len(await admin.api_keys.list(t.id))) for t in await admin.tenants.list()]
+    rows = [(t, len(await admin.api_keys.list(t.id))) for t in await admin.tenants.all()]
     if args.json:
         print(json.dumps([{**t.model_dump(), "num_keys": n} for t, n in rows], indent=2))
     elif not rows:

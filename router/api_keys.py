@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
+from typing import cast
 
 import redis.asyncio as aioredis
 
@@ -75,7 +76,8 @@ class ApiKeys:
 
     async def list(self, tenant_id: str) -> list[str]:
         """Key ids of a tenant (the secrets are not kept)."""
-        return sorted(k.decode() for k in await self.client.hkeys(keys.api_keys(tenant_id)))
+        key_ids = cast(list[bytes], await self.client.hkeys(keys.api_keys(tenant_id)))
+        return sorted(k.decode() for k in key_ids)
 
     async def authenticate(self, api_key: str | None, tenant_id: str | None = None) -> Principal:
         """The tenant of a key. ``tenant_id``: the tenant the caller claims, if any; a key of
@@ -85,20 +87,19 @@ class ApiKeys:
         if len(api_key) > MAX_KEY_CHARS or not api_key.isascii():
             raise AuthenticationError("invalid API key")
         presented = digest(api_key)
-        record = await self.client.hgetall(keys.api_key(presented))
-        stored = record.get(b"digest", b"").decode()
-        if not record or not hmac.compare_digest(stored, presented):
+        where = keys.api_key(presented)
+        record = cast(dict[bytes, bytes], await self.client.hgetall(where))
+        if not record or not hmac.compare_digest(record.get(b"digest", b""), presented.encode()):
             raise AuthenticationError("invalid API key")
         try:
-            owner = record[b"tenant"].decode()
+            owner = keys.check_tenant_id(record[b"tenant"].decode())
             key_id = record[b"key_id"].decode()
-            keys.check_tenant_id(owner)
         except (KeyError, UnicodeDecodeError, InvalidRequestError):
-            raise StoredDataError(f"malformed API key record {keys.api_key(presented)}") from None
+            raise StoredDataError(f"malformed API key record {where}") from None
         if tenant_id is not None and keys.check_tenant_id(tenant_id) != owner:
             raise PermissionDeniedError("this API key does not belong to that tenant",
                                         param="tenant")
         disabled = await self.client.hget(keys.tenant(owner), "disabled")
-        if disabled == b"1":
+        if disabled not in (None, b"0"):  # a malformed flag fails closed
             raise PermissionDeniedError(f"tenant {owner!r} is disabled", param="tenant")
         return Principal(owner, key_id)

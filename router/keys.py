@@ -15,9 +15,9 @@ Layout (prefix ``fs``):
   (ZSET tenant -> start tag of its head request), ``fs:{sched}:vtime`` (HASH class -> virtual
   time), ``fs:{sched}:leases`` (ZSET ``"<tenant> <id>"`` -> lease deadline in ms).
 
-NOTE: the Lua scripts receive these templates (``%s`` placeholders) and the TTLs below as JSON
-in ARGV[1] and
-build keys with ``string.format``, so the names live here only. The grant script crosses
+NOTE: router/scripts.py writes these templates (``%s`` placeholders) and the TTLs below into
+the source of every Lua script as a table of constants, and the scripts build keys with
+``string.format``, so the names live here only. The grant script crosses
 tenants by design (it picks among all of them), so fairserve needs a single Redis primary
 (with replicas or Sentinel for failover); the per-tenant hash tags keep the per-tenant data of
 one tenant in one slot for a future sharded layout, but Redis Cluster is not supported today.
@@ -25,7 +25,6 @@ one tenant in one slot for a future sharded layout, but Redis Cluster is not sup
 
 from __future__ import annotations
 
-import json
 import re
 
 from router.errors import InvalidRequestError
@@ -63,19 +62,16 @@ _TEMPLATES: dict[str, str] = {
     "leases": PREFIX + ":{sched}:leases",
 }
 
-# What every script gets as ARGV[1]: the templates, and the TTLs and limits it applies.
-SCRIPT_CONTEXT_JSON = json.dumps(
-    {
-        **_TEMPLATES,
-        "result_ttl_s": REQUEST_RESULT_TTL_S,
-        "stream_idle_ttl_s": STREAM_IDLE_TTL_S,
-        "stream_ended_ttl_s": STREAM_ENDED_TTL_S,
-        "budget_ttl_s": BUDGET_DAY_TTL_S,
-        "dead_ttl_s": DEAD_LETTER_TTL_S,
-        "stream_max_events": STREAM_MAX_EVENTS,
-    },
-    separators=(",", ":"),
-)
+# What every script is compiled with: the templates, and the TTLs and limits it applies.
+SCRIPT_CONSTANTS: dict[str, str | int] = {
+    **_TEMPLATES,
+    "result_ttl_s": REQUEST_RESULT_TTL_S,
+    "stream_idle_ttl_s": STREAM_IDLE_TTL_S,
+    "stream_ended_ttl_s": STREAM_ENDED_TTL_S,
+    "budget_ttl_s": BUDGET_DAY_TTL_S,
+    "dead_ttl_s": DEAD_LETTER_TTL_S,
+    "stream_max_events": STREAM_MAX_EVENTS,
+}
 
 
 def check_tenant_id(tenant_id: str) -> str:

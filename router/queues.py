@@ -34,7 +34,7 @@ tenant nothing. A cancelled or dead-lettered request keeps its last charge.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 from router import keys
 from router.config import QueueSettings
@@ -188,13 +188,15 @@ class TenantQueues:
         return CancelOutcome(reply[0].decode())
 
     async def get(self, tenant_id: str, request_id: str) -> RequestRecord:
-        fields = await self.client.hgetall(keys.request(tenant_id, request_id))
+        fields = cast(dict[bytes, bytes],
+                      await self.client.hgetall(keys.request(tenant_id, request_id)))
         if not fields:
             raise NotFoundError(f"no request {request_id!r}", param="request_id")
         return _record(tenant_id, request_id, fields)
 
     async def queued_ids(self, tenant_id: str) -> list[str]:
-        return [m.decode() for m in await self.client.lrange(keys.queue(tenant_id), 0, -1)]
+        ids = cast(list[bytes], await self.client.lrange(keys.queue(tenant_id), 0, -1))
+        return [m.decode() for m in ids]
 
     async def depth(self, tenant_id: str) -> int:
         return int(await self.client.llen(keys.queue(tenant_id)))

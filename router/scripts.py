@@ -1,7 +1,9 @@
 """The Lua scripts of ``router/scripts/``: loaded with SCRIPT LOAD, run with EVALSHA.
 
-Each script is ``_lib.lua`` followed by the script's own file, so shared transitions (requeue,
-refunds, fair-share tags) are written once. A server that lost its script cache (a restart)
+Each script is a table of constants (the key templates and TTLs of ``router/keys.py``),
+``_lib.lua``, and the script's own file, so key names are spelled once and shared transitions
+(requeue, refunds, fair-share tags) are written once. Constants in the source, not a decoded
+ARGV, because decoding them on every call cost a third of a grant. A server that lost its script cache (a restart)
 answers NOSCRIPT; the script is loaded again and the call repeated, which is safe because a
 script that was not found did not run.
 """
@@ -9,6 +11,7 @@ script that was not found did not run.
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Callable
 from importlib import resources
 from typing import Any
@@ -34,9 +37,18 @@ class Script(enum.StrEnum):
     KEY_REVOKE = "key_revoke"
 
 
+def _lua_constants() -> str:
+    entries = []
+    for name, value in keys.SCRIPT_CONSTANTS.items():
+        literal = str(value) if isinstance(value, int) else json.dumps(value)  # a Lua string
+        entries.append(f"{name} = {literal}")
+    return "local K = {" + ", ".join(entries) + "}\n"
+
+
 def script_source(script: Script) -> str:
     folder = resources.files("router") / "scripts"
-    return (folder / "_lib.lua").read_text() + "\n" + (folder / f"{script.value}.lua").read_text()
+    return (_lua_constants() + (folder / "_lib.lua").read_text() + "\n"
+            + (folder / f"{script.value}.lua").read_text())
 
 
 # Clock: None means the Redis server's own TIME, which every dispatcher shares; tests and
@@ -55,7 +67,7 @@ class Scripts:
 
     def _argv(self, args: tuple[Any, ...]) -> list[Any]:
         now = "" if self.clock is None else str(int(self.clock()))
-        return [keys.SCRIPT_CONTEXT_JSON, now, *args]
+        return [now, *args]
 
     async def load(self) -> None:
         for script, source in self._sources.items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from router import keys
 from router.errors import LeaseLostError, NotFoundError
@@ -56,7 +57,7 @@ class ResponseStreams:
             raise NotFoundError(f"no request {request_id!r}", param="request_id")
         last, idle_since = after, time.monotonic()
         while True:
-            reply = await self.client.xread({stream_key: last}, count=READ_BATCH,
+            reply: Any = await self.client.xread({stream_key: last}, count=READ_BATCH,
                                             block=READ_BLOCK_MS)
             if not reply:
                 if idle_timeout_s is not None and time.monotonic() - idle_since > idle_timeout_s:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 import yaml
@@ -75,16 +75,20 @@ class Tenant(BaseModel):
 
     @classmethod
     def from_redis(cls, tenant_id: str, fields: dict[bytes, bytes]) -> Tenant:
-        raw: dict[str, Any] = {k.decode(): v.decode() for k, v in fields.items()}
+        where = keys.tenant(tenant_id)
+        try:
+            raw: dict[str, Any] = {k.decode(): v.decode() for k, v in fields.items()}
+        except UnicodeDecodeError:
+            raise StoredDataError(f"malformed tenant settings in {where}: not UTF-8") from None
         if "disabled" in raw:
+            if raw["disabled"] not in ("0", "1"):
+                raise StoredDataError(f"malformed tenant settings in {where}: disabled")
             raw["disabled"] = raw["disabled"] == "1"
         try:
             return cls(id=tenant_id, **raw)
         except ValidationError as exc:
             bad = ", ".join(".".join(str(p) for p in e["loc"]) for e in exc.errors())
-            raise StoredDataError(
-                f"malformed tenant settings in {keys.tenant(tenant_id)}: {bad}"
-            ) from None
+            raise StoredDataError(f"malformed tenant settings in {where}: {bad}") from None
 
 
 def parse_tenants_yaml(text: str, source: str = "tenants file") -> list[Tenant]:
@@ -154,13 +158,14 @@ class TenantStore:
         return list(await self.scripts.run(Script.TENANT_PUT, tenant.id, settings, mode))
 
     async def get(self, tenant_id: str) -> Tenant:
-        fields = await self.client.hgetall(keys.tenant(tenant_id))
+        fields = cast(dict[bytes, bytes], await self.client.hgetall(keys.tenant(tenant_id)))
         if not fields:
             raise NotFoundError(f"unknown tenant {tenant_id!r}", param="tenant")
         return Tenant.from_redis(tenant_id, fields)
 
-    async def list(self) -> list[Tenant]:
-        ids = sorted(m.decode() for m in await self.client.smembers(keys.tenants()))
+    async def all(self) -> list[Tenant]:
+        members = cast(set[bytes], await self.client.smembers(keys.tenants()))
+        ids = sorted(m.decode() for m in members)
         return [await self.get(tenant_id) for tenant_id in ids]
 
     async def load(self, tenants: list[Tenant]) -> tuple[int, int]:

@@ -1,8 +1,9 @@
 -- fairserve Lua library: router/scripts.py puts this in front of every script.
 --
--- ARGV[1] is the JSON of the key templates of router/keys.py (the only place key names are
--- spelled); ARGV[2] is the clock in ms, or "" for the server's own TIME. A script's own
--- arguments start at ARGV[3].
+-- Before this file router/scripts.py puts `local K = {...}`: the key templates of router/keys.py
+-- (the only place key names are spelled) and the TTLs and limits, as constants of the source.
+-- ARGV[1] is the clock in ms, or "" for the server's own TIME. A script's own arguments start
+-- at ARGV[2].
 --
 -- Errors are raised with redis.error_reply before a script writes anything (Redis does not roll
 -- a script back): "FSNOTFOUND <what>", "FSSTORED <key> <field>" (malformed stored data),
@@ -10,11 +11,10 @@
 
 if redis.replicate_commands then redis.replicate_commands() end
 
-local K = cjson.decode(ARGV[1])
 local function key(name, ...) return string.format(K[name], ...) end
 
 local function clock_ms()
-  if ARGV[2] ~= '' then return tonumber(ARGV[2]) end
+  if ARGV[1] ~= '' then return tonumber(ARGV[1]) end
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
@@ -36,7 +36,11 @@ local function load_tenant(t, strict)
     if strict then return nil, redis.error_reply('FSNOTFOUND tenant ' .. t) end
     return {weight = 1, priority = 0, disabled = false, bad = 'missing'}
   end
-  local s = {disabled = v[8] == '1'}
+  if v[8] and v[8] ~= '0' and v[8] ~= '1' then
+    if strict then return nil, redis.error_reply('FSSTORED ' .. tk .. ' disabled') end
+  end
+  -- anything but '0' refuses: a malformed flag fails closed
+  local s = {disabled = (v[8] or '0') ~= '0'}
   for i = 1, 7 do
     local name = TENANT_FIELDS[i]
     if v[i] then
@@ -67,12 +71,29 @@ local function vtime(class) return tonumber(redis.call('HGET', K.vtime, class) o
 local function finish_tag(t) return tonumber(redis.call('HGET', key('state', t), 'vfinish') or '0') end
 
 -- The tenant has work queued: give it a start tag if it has none (max of virtual time and its
--- own finish tag, so idle time never banks credit).
+-- own finish tag, so idle time never banks credit). A finish tag from another class is on that
+-- class's clock: it carries nothing over.
 local function mark_ready(t, class)
   local ready = key('ready', class)
   if redis.call('ZSCORE', ready, t) then return end
-  redis.call('ZADD', ready, fmt(math.max(vtime(class), finish_tag(t))), t)
+  local st = redis.call('HMGET', key('state', t), 'vfinish', 'vclass')
+  local start = vtime(class)
+  if st[2] == tostring(class) then start = math.max(start, tonumber(st[1]) or 0) end
+  redis.call('ZADD', ready, fmt(start), t)
   redis.call('ZADD', K.classes, class, class)
+end
+
+-- A tenant with backlog changes priority class: it keeps its lag behind the old class's
+-- virtual time (its place in line), measured on the new class's clock.
+local function move_class(t, old, new)
+  local start = redis.call('ZSCORE', key('ready', old), t)
+  if not start then return end
+  redis.call('ZREM', key('ready', old), t)
+  if redis.call('ZCARD', key('ready', old)) == 0 then redis.call('ZREM', K.classes, old) end
+  local moved = vtime(new) + math.max(0, tonumber(start) - vtime(old))
+  redis.call('HSET', key('state', t), 'vfinish', fmt(moved), 'vclass', new)
+  redis.call('ZADD', key('ready', new), fmt(moved), t)
+  redis.call('ZADD', K.classes, new, new)
 end
 
 -- After a request left the tenant's queue: drop the tenant from its class when nothing is left.

@@ -3,8 +3,8 @@
 --   fs:{t}:queue, fs:{t}:budget:<day>, fs:{t}:req:<id>; writes fs:{t}:req:<id>, fs:{t}:queue,
 --   fs:{t}:state (GCRA times), fs:{t}:budget:<day>, fs:{t}:stats, fs:{sched}:ready:<class>,
 --   fs:{sched}:classes.
--- ARGV: 3 tenant, 4 request id, 5 prompt tokens, 6 max_tokens, 7 expected output tokens,
---   8 body (opaque), 9 meta (opaque), 10 retry-after ms when the queue is full.
+-- ARGV: 2 tenant, 3 request id, 4 prompt tokens, 5 max_tokens, 6 expected output tokens,
+--   7 body (opaque), 8 meta (opaque), 9 retry-after ms when the queue is full.
 -- Returns one of
 --   {"admitted", queue depth after the push}
 --   {"duplicate", state}                  the id is known and its body is the same: no second copy
@@ -12,9 +12,9 @@
 --   {"refused", reason, retry-after ms}   reason: disabled, queue_full, rpm, tpm, daily_budget
 --   {"too_large", reason, limit}          the request alone exceeds max_tokens, tpm or daily_budget
 -- Errors: FSNOTFOUND tenant, FSSTORED (malformed tenant settings or limiter state).
-local t, rid = ARGV[3], ARGV[4]
-local prompt, max_tokens, expected = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-local body, meta, full_retry_ms = ARGV[8], ARGV[9], tonumber(ARGV[10])
+local t, rid = ARGV[2], ARGV[3]
+local prompt, max_tokens, expected = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local body, meta, full_retry_ms = ARGV[7], ARGV[8], tonumber(ARGV[9])
 local now = clock_ms()
 
 local rk = key('request', t, rid)

@@ -3,10 +3,10 @@
 -- KEYS: none passed. Reads and writes fs:{t}:req:<id>; when queued also fs:{t}:queue,
 --   fs:{t}:state, fs:{t}:budget:<day>, fs:{t}:stream:<id>, fs:{t}:stats,
 --   fs:{sched}:ready:<class>, fs:{sched}:classes.
--- ARGV: 3 tenant, 4 request id, 5 reason.
+-- ARGV: 2 tenant, 3 request id, 4 reason.
 -- Returns {"cancelled"} (was queued), {"flagged"} (is running), {"ended", state} or
 --   {"missing"}.
-local t, rid = ARGV[3], ARGV[4]
+local t, rid = ARGV[2], ARGV[3]
 local r = load_request(t, rid)
 if not r then return {'missing'} end
 if r.state == 'leased' then
@@ -17,5 +17,5 @@ if r.state ~= 'queued' then return {'ended', r.state} end
 local tenant = load_tenant(t, false)
 redis.call('LREM', key('queue', t), 1, rid)
 settle_ready(t, tenant.priority)
-end_unserved(t, rid, tenant, r, 'cancelled', ARGV[5], clock_ms())
+end_unserved(t, rid, tenant, r, 'cancelled', ARGV[4], clock_ms())
 return {'cancelled'}

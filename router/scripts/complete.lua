@@ -4,14 +4,14 @@
 -- KEYS: none passed. Reads fs:{t}:tenant; writes fs:{t}:req:<id>, fs:{t}:state,
 --   fs:{t}:budget:<day>, fs:{t}:stream:<id>, fs:{t}:stats, fs:{sched}:ready:<class>,
 --   fs:{sched}:leases.
--- ARGV: 3 tenant, 4 request id, 5 holder id, 6 attempt, 7 outcome ("completed" or
---   "cancelled"), 8 prompt tokens used, 9 output tokens used, 10 finish reason,
---   11 terminal event data (JSON, opaque).
+-- ARGV: 2 tenant, 3 request id, 4 holder id, 5 attempt, 6 outcome ("completed" or
+--   "cancelled"), 7 prompt tokens used, 8 output tokens used, 9 finish reason,
+--   10 terminal event data (JSON, opaque).
 -- Returns {"ok", tokens refunded (negative: charged beyond the reservation)} or
 --   {"stale", state or "missing"} when the caller does not hold the lease (nothing changes).
-local t, rid, holder, attempt, outcome = ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
-local prompt_used, output_used = tonumber(ARGV[8]), tonumber(ARGV[9])
-local finish_reason, data = ARGV[10], ARGV[11]
+local t, rid, holder, attempt, outcome = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local prompt_used, output_used = tonumber(ARGV[7]), tonumber(ARGV[8])
+local finish_reason, data = ARGV[9], ARGV[10]
 local r = load_request(t, rid)
 if not lease_ok(r, holder, attempt) then return {'stale', r and r.state or 'missing'} end
 local now = clock_ms()

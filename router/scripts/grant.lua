@@ -4,14 +4,27 @@
 -- KEYS: none passed. Reads and writes fs:{sched}:classes, fs:{sched}:ready:<class>,
 --   fs:{sched}:vtime, fs:{sched}:leases, and of the chosen tenants fs:{t}:queue, fs:{t}:req:<id>,
 --   fs:{t}:state (finish tag), fs:{t}:stats; reads fs:{t}:tenant (weight).
--- ARGV: 3 holder id, 4 lease ms, 5 free capacity (slots), 6 most grants to return.
+-- ARGV: 2 holder id, 3 lease ms, 4 free capacity (slots), 5 most grants to return.
 -- Returns {grants, warnings}: grants is a list of {tenant, id, attempt, lease deadline ms,
 --   body, meta, prompt tokens, max_tokens, created ms, grant sequence number}; warnings names
 --   stored data the script had to skip or read leniently ("<key> <field>").
-local holder, lease_ms = ARGV[3], tonumber(ARGV[4])
-local wanted = math.min(tonumber(ARGV[5]), tonumber(ARGV[6]))
+local holder, lease_ms = ARGV[2], tonumber(ARGV[3])
+local wanted = math.min(tonumber(ARGV[4]), tonumber(ARGV[5]))
 local now = clock_ms()
 local grants, warnings = {}, {}
+
+-- Read once per call, written back once at the end: tenants' settings, the classes' virtual
+-- times, the grant counter.
+local tenants, vtimes = {}, {}
+local seq = tonumber(redis.call('HGET', K.vtime, 'grants') or '0')
+
+local function tenant_of(t)
+  if not tenants[t] then
+    tenants[t] = load_tenant(t, false)
+    if tenants[t].bad then warnings[#warnings + 1] = key('tenant', t) .. ' ' .. tenants[t].bad end
+  end
+  return tenants[t]
+end
 
 local function grant_one(t, class, start, rid)
   local rk = key('request', t, rid)
@@ -31,11 +44,10 @@ local function grant_one(t, class, start, rid)
     end
     return
   end
-  local tenant = load_tenant(t, false)
-  if tenant.bad then warnings[#warnings + 1] = key('tenant', t) .. ' ' .. tenant.bad end
-  redis.call('HSET', K.vtime, class, fmt(math.max(vtime(class), start)))
+  local tenant = tenant_of(t)
+  vtimes[class] = math.max(vtimes[class] or vtime(class), start)
   local finish = start + cost / tenant.weight
-  redis.call('HSET', key('state', t), 'vfinish', fmt(finish))
+  redis.call('HSET', key('state', t), 'vfinish', fmt(finish), 'vclass', class)
   if redis.call('LLEN', key('queue', t)) > 0 then
     redis.call('ZADD', key('ready', class), fmt(finish), t)
   else
@@ -43,7 +55,7 @@ local function grant_one(t, class, start, rid)
   end
   local attempt = redis.call('HINCRBY', rk, 'deliveries', 1)
   local deadline = now + lease_ms
-  local seq = redis.call('HINCRBY', K.vtime, 'grants', 1)
+  seq = seq + 1
   redis.call('HSET', rk, 'state', 'leased', 'holder', holder, 'lease_deadline', deadline,
              'granted_ms', now, 'grant_seq', seq)
   redis.call('ZADD', K.leases, deadline, t .. ' ' .. rid)
@@ -65,5 +77,13 @@ while #grants < wanted and guard < wanted + 1000 do
     local rid = redis.call('LPOP', key('queue', t))
     if rid then grant_one(t, class, start, rid) else settle_ready(t, class) end
   end
+end
+if #grants > 0 then
+  local writes = {'grants', seq}
+  for class, v in pairs(vtimes) do
+    writes[#writes + 1] = class
+    writes[#writes + 1] = fmt(v)
+  end
+  redis.call('HSET', K.vtime, unpack(writes))
 end
 return {grants, warnings}

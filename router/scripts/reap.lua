@@ -1,9 +1,9 @@
 -- reap: requeue (or dead-letter) every request whose lease deadline has passed. Any dispatcher
 -- may run it; a lease renewed in time is never touched.
 -- KEYS: none passed. Reads fs:{sched}:leases; per expired lease as requeue.lua.
--- ARGV: 3 max deliveries, 4 most leases to look at.
+-- ARGV: 2 max deliveries, 3 most leases to look at.
 -- Returns {number requeued, number dead-lettered, number of stale lease entries dropped}.
-local max_deliveries, limit = tonumber(ARGV[3]), tonumber(ARGV[4])
+local max_deliveries, limit = tonumber(ARGV[2]), tonumber(ARGV[3])
 local now = clock_ms()
 local expired = redis.call('ZRANGEBYSCORE', K.leases, '-inf', now, 'LIMIT', 0, limit)
 local num_queued, num_dead, num_dropped = 0, 0, 0

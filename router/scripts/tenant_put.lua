@@ -1,11 +1,11 @@
 -- tenant_put: create or replace a tenant's settings; a tenant with backlog that changes
--- priority class moves to its new class keeping its finish tag.
+-- priority class moves to its new class keeping its place in line (see move_class).
 -- KEYS: none passed. Writes fs:tenants, fs:{t}:tenant; may move fs:{sched}:ready:<class>,
 --   fs:{sched}:classes.
--- ARGV: 3 tenant, 4 settings JSON (field -> value; absent fields are unlimited/unset),
---   5 "create" (refuse if it exists), "update" (refuse if missing) or "upsert".
+-- ARGV: 2 tenant, 3 settings JSON (field -> value; absent fields are unlimited/unset),
+--   4 "create" (refuse if it exists), "update" (refuse if missing) or "upsert".
 -- Returns {"ok", "created" or "updated"} or {"exists"} or {"missing"}.
-local t, settings, mode = ARGV[3], cjson.decode(ARGV[4]), ARGV[5]
+local t, settings, mode = ARGV[2], cjson.decode(ARGV[3]), ARGV[4]
 local tk = key('tenant', t)
 local exists = redis.call('EXISTS', tk) == 1
 if mode == 'create' and exists then return {'exists'} end
@@ -20,9 +20,5 @@ end
 redis.call('HSET', tk, unpack(args))
 redis.call('SADD', K.tenants, t)
 local new = tonumber(settings.priority or 0)
-if new ~= old and redis.call('ZSCORE', key('ready', old), t) then
-  redis.call('ZREM', key('ready', old), t)
-  if redis.call('ZCARD', key('ready', old)) == 0 then redis.call('ZREM', K.classes, old) end
-  mark_ready(t, new)
-end
+if new ~= old then move_class(t, old, new) end
 return {'ok', exists and 'updated' or 'created'}

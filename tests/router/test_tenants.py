@@ -34,7 +34,7 @@ def test_add_get_list_round_trip(redis_url) -> None:
             await add_tenants(h, FULL, Tenant(id="beta"), Tenant(id="a-1"))
             assert await h.tenants.get("acme") == FULL
             assert await h.tenants.get("beta") == Tenant(id="beta")
-            assert [t.id for t in await h.tenants.list()] == ["a-1", "acme", "beta"]
+            assert [t.id for t in await h.tenants.all()] == ["a-1", "acme", "beta"]
             with pytest.raises(ConflictError):
                 await h.tenants.add(Tenant(id="acme", weight=9))
             assert await h.tenants.get("acme") == FULL  # the refused add changed nothing
@@ -171,7 +171,7 @@ def test_malformed_stored_settings_raise_stored_data_error(redis_url, redis_clie
                 await h.tenants.get("acme")
             assert "fs:{acme}:tenant" in err.value.message and field in err.value.message
             with pytest.raises(StoredDataError):
-                await h.tenants.list()
+                await h.tenants.all()
             # admission refuses cleanly before writing anything
             with pytest.raises(StoredDataError) as err:
                 await h.queues.admit(make_request("acme", "r1"))
