@@ -66,6 +66,7 @@ from router.scripts import Script, Scripts
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
+COMPLETE_BATCH = 128  # completions per script call: long enough to amortise, short for latency
 
 _REFUSAL_MESSAGES = {
     "disabled": "tenant is disabled",
@@ -146,17 +147,23 @@ class TenantQueues:
     ) -> int:
         """Acknowledge and settle; returns the tokens refunded (negative: charged beyond the
         reservation). ``final_event`` is the data of the stream's terminal ``end`` event."""
-        reply = await self.scripts.run(Script.COMPLETE, *self._complete_args(
-            lease, prompt_tokens_used, output_tokens_used, finish_reason, final_event, outcome))
+        args = self._complete_args(lease, prompt_tokens_used, output_tokens_used, finish_reason,
+                                   final_event, outcome)
+        (reply,) = await self.scripts.run(Script.COMPLETE, 1, *args)
         _check_lease(lease, reply)
         return int(reply[1])
 
     async def complete_many(self, calls: list[tuple[Lease, int, int, str]]) -> list[int | None]:
-        """Pipelined completions of (lease, prompt used, output used, finish reason); None where
-        the lease was lost."""
-        replies = await self.scripts.run_many(
-            Script.COMPLETE, [self._complete_args(*c, "{}", RequestState.COMPLETED) for c in calls])
-        return [int(r[1]) if r[0] == b"ok" else None for r in replies]
+        """Completions of (lease, prompt used, output used, finish reason), one script call per
+        ``COMPLETE_BATCH``; the refund of each, or None where the lease was lost."""
+        refunds: list[int | None] = []
+        for start in range(0, len(calls), COMPLETE_BATCH):
+            chunk = calls[start:start + COMPLETE_BATCH]
+            args = [a for c in chunk
+                    for a in self._complete_args(*c, "{}", RequestState.COMPLETED)]
+            replies = await self.scripts.run(Script.COMPLETE, len(chunk), *args)
+            refunds += [int(r[1]) if r[0] == b"ok" else None for r in replies]
+        return refunds
 
     @staticmethod
     def _complete_args(lease: Lease, prompt_used: int, output_used: int, finish_reason: str,

@@ -13,10 +13,17 @@ if redis.replicate_commands then redis.replicate_commands() end
 
 local function key(name, ...) return string.format(K[name], ...) end
 
+-- One instant per call: a script runs atomically, so everything in it happens "now".
+local NOW_MS
 local function clock_ms()
-  if ARGV[1] ~= '' then return tonumber(ARGV[1]) end
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if NOW_MS then return NOW_MS end
+  if ARGV[1] ~= '' then
+    NOW_MS = tonumber(ARGV[1])
+  else
+    local t = redis.call('TIME')
+    NOW_MS = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return NOW_MS
 end
 
 local function fmt(x) return string.format('%.17g', x) end
@@ -63,6 +70,20 @@ local function load_tenant(t, strict)
 end
 
 local function stat(t, name, by) redis.call('HINCRBY', key('stats', t), name, by or 1) end
+
+-- Counters gathered over a batch, written once per tenant and name at the end.
+local function count(counts, t, name, by)
+  counts[t] = counts[t] or {}
+  counts[t][name] = (counts[t][name] or 0) + (by or 1)
+end
+
+local function flush_counts(counts)
+  for t, names in pairs(counts) do
+    for name, by in pairs(names) do
+      if by ~= 0 then stat(t, name, by) end
+    end
+  end
+end
 
 -- ---- fair share (start-time fair queuing per priority class; see the NOTE in router/queues.py) ----
 
@@ -125,7 +146,11 @@ local function settle_tokens(t, tenant, reserved, day, actual)
   local diff = actual - reserved
   if diff ~= 0 then
     local bk = key('budget', t, day)
-    if redis.call('EXISTS', bk) == 1 then redis.call('INCRBY', bk, diff) end
+    -- today's counter exists (admission made it); an older one may have expired: never
+    -- recreate it without its TTL
+    if tonumber(day) == math.floor(clock_ms() / DAY_MS) or redis.call('EXISTS', bk) == 1 then
+      redis.call('INCRBY', bk, diff)
+    end
     if tenant.tpm then
       redis.call('HINCRBYFLOAT', key('state', t), 'tpm_tat', fmt(diff * 60000 / tenant.tpm))
     end
