@@ -33,6 +33,7 @@ import redis.asyncio as aioredis
 from cluster.redis_server import AppendFsync, EmbeddedRedis
 from router.messages import AdmitRequest
 from router.queues import TenantQueues
+from router.redis_client import connect
 from router.scripts import Scripts
 from router.tenants import Tenant, TenantStore
 
@@ -44,7 +45,7 @@ def _tenant_of(index: int) -> str:
 
 
 async def _queues(url: str) -> tuple[aioredis.Redis, TenantQueues]:
-    client = aioredis.from_url(url)
+    client = connect(url)
     return client, TenantQueues(Scripts(client))
 
 
@@ -84,7 +85,7 @@ def _parallel(worker: Callable[..., object], calls: list[tuple[object, ...]]) ->
 
 def _setup(url: str) -> None:
     async def work() -> None:
-        client = aioredis.from_url(url)
+        client = connect(url)
         await client.flushall()
         store = TenantStore(Scripts(client))
         for i in range(NUM_TENANTS):

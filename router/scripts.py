@@ -38,11 +38,16 @@ class Script(enum.StrEnum):
 
 
 def _lua_constants() -> str:
-    entries = []
-    for name, value in keys.SCRIPT_CONSTANTS.items():
-        literal = str(value) if isinstance(value, int) else json.dumps(value)  # a Lua string
-        entries.append(f"{name} = {literal}")
-    return "local K = {" + ", ".join(entries) + "}\n"
+    """``K``: every constant by name, as a Lua string (Redis converts a Lua number argument with
+    snprintf, which cost as much as the command it was passed to); ``KP``: each key template
+    split at its ``%s`` placeholders, for ``key()`` in ``_lib.lua`` to join (a concatenation is
+    a few times cheaper than string.format)."""
+    constants = ", ".join(f"{name} = {json.dumps(str(value))}"
+                          for name, value in keys.SCRIPT_CONSTANTS.items())
+    parts = ", ".join(f"{name} = {{{', '.join(json.dumps(p) for p in value.split('%s'))}}}"
+                      for name, value in keys.SCRIPT_CONSTANTS.items()
+                      if isinstance(value, str) and "%s" in value)
+    return f"local K = {{{constants}}}\nlocal KP = {{{parts}}}\n"
 
 
 def script_source(script: Script) -> str:

@@ -11,7 +11,13 @@
 
 if redis.replicate_commands then redis.replicate_commands() end
 
-local function key(name, ...) return string.format(K[name], ...) end
+-- fs:{t}:req:<id> is key('request', t, id): the template's parts joined around the arguments.
+local function key(name, a, b)
+  local p = KP[name]
+  if b then return p[1] .. a .. p[2] .. b .. p[3] end
+  if a then return p[1] .. a .. p[2] end
+  return K[name]
+end
 
 -- One instant per call: a script runs atomically, so everything in it happens "now".
 local NOW_MS

@@ -12,7 +12,7 @@
 --   reservation)} or {"stale", state or "missing"} when the caller does not hold that lease
 --   (nothing about that request changes).
 local n = tonumber(ARGV[2])
-local now = clock_ms()
+local now_s = fmt(clock_ms())
 local tenants, deltas, counts, replies = {}, {}, {}, {}
 
 for i = 0, n - 1 do
@@ -30,7 +30,7 @@ for i = 0, n - 1 do
     replies[i + 1] = {'ok', settle_tokens(t, tenant, tonumber(r.reserved), r.day, actual)}
     deltas[t] = (deltas[t] or 0) + (actual - tonumber(r.cost)) / tenant.weight
     local rk = key('request', t, rid)
-    redis.call('HSET', rk, 'state', outcome, 'finished_ms', now, 'finish_reason', ARGV[b + 7],
+    redis.call('HSET', rk, 'state', outcome, 'finished_ms', now_s, 'finish_reason', ARGV[b + 7],
                'prompt_tokens_used', ARGV[b + 5], 'output_tokens_used', ARGV[b + 6])
     redis.call('EXPIRE', rk, K.result_ttl_s)
     redis.call('ZREM', K.leases, t .. ' ' .. rid)

@@ -12,6 +12,8 @@ local holder, lease_ms = ARGV[2], tonumber(ARGV[3])
 local wanted = math.min(tonumber(ARGV[4]), tonumber(ARGV[5]))
 local now = clock_ms()
 local deadline = now + lease_ms
+-- as strings once: Redis formats a number argument with snprintf on every call
+local now_s, deadline_s = fmt(now), fmt(deadline)
 local grants, warnings, counts = {}, {}, {}
 
 -- Read once per call, written back once at the end: tenants' settings and finish tags, the
@@ -51,9 +53,9 @@ local function grant_one(t, class, start, rid)
   finishes[t] = {finish, class}
   local attempt = (tonumber(r[8]) or 0) + 1
   seq = seq + 1
-  redis.call('HSET', rk, 'state', 'leased', 'holder', holder, 'lease_deadline', deadline,
-             'granted_ms', now, 'grant_seq', seq, 'deliveries', attempt)
-  redis.call('ZADD', K.leases, deadline, t .. ' ' .. rid)
+  redis.call('HSET', rk, 'state', 'leased', 'holder', holder, 'lease_deadline', deadline_s,
+             'granted_ms', now_s, 'grant_seq', seq, 'deliveries', attempt)
+  redis.call('ZADD', K.leases, deadline_s, t .. ' ' .. rid)
   count(counts, t, 'granted')
   grants[#grants + 1] = {t, rid, attempt, deadline, r[3], r[4], r[5], r[6], r[7], seq}
   return finish
