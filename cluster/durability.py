@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import cast
 
 import redis
-import redis.asyncio as aioredis
 
 from cluster.redis_server import AppendFsync, EmbeddedRedis
 from router import keys
 from router.messages import AdmitRequest
 from router.queues import TenantQueues
+from router.redis_client import connect
 from router.scripts import Scripts
 from router.tenants import Tenant, TenantStore
 
@@ -40,7 +40,7 @@ class CrashTrial:
 
 
 async def _admit_until_killed(url: str) -> list[str]:
-    client = aioredis.from_url(url, socket_timeout=5)
+    client = connect(url, socket_timeout=5)
     queues = TenantQueues(Scripts(client))
     acknowledged: list[str] = []
     try:

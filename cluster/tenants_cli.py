@@ -20,11 +20,11 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
-import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from router.api_keys import ApiKeys
 from router.errors import InvalidRequestError, RouterError
+from router.redis_client import connect
 from router.scripts import Scripts
 from router.tenants import Tenant, TenantStore, load_tenants_file
 
@@ -160,7 +160,7 @@ def run_tenants_command(args: argparse.Namespace) -> int:
 
 async def _with_admin(args: argparse.Namespace) -> int:
     try:
-        client = aioredis.from_url(args.redis_url, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
+        client = connect(args.redis_url, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
     except ValueError as exc:
         raise InvalidRequestError(
             f"invalid --redis-url {redacted_url(args.redis_url)!r}: {exc}", param="redis_url"

@@ -16,8 +16,9 @@ Layout (prefix ``fs``):
   time), ``fs:{sched}:leases`` (ZSET ``"<tenant> <id>"`` -> lease deadline in ms).
 
 NOTE: router/scripts.py writes these templates (``%s`` placeholders) and the TTLs below into
-the source of every Lua script as a table of constants, and the scripts build keys with
-``string.format``, so the names live here only. The grant script crosses
+the source of every Lua script as constants (``K``, and ``KP``: each template split at its
+placeholders), and the scripts build keys by concatenating those parts, so the names live here
+only. The grant script crosses
 tenants by design (it picks among all of them), so fairserve needs a single Redis primary
 (with replicas or Sentinel for failover); the per-tenant hash tags keep the per-tenant data of
 one tenant in one slot for a future sharded layout, but Redis Cluster is not supported today.

@@ -28,7 +28,9 @@ per unit of its own virtual time: no starvation.
 Costs are settled: at completion F (and S, if backlogged) moves by (actual - expected) / weight,
 so fairness ends up measured in the tokens really used. A requeued request gets its charge back
 (F -= cost / weight) and goes to the head of its tenant's queue: the failed attempt costs the
-tenant nothing. A cancelled or dead-lettered request keeps its last charge.
+tenant nothing. A request cancelled while queued was never charged; one cancelled while running
+is settled like a completion, by the tokens it used; a dead-lettered request keeps its last
+charge.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 -- fairserve Lua library: router/scripts.py puts this in front of every script.
 --
 -- Before this file router/scripts.py puts `local K = {...}`: the key templates of router/keys.py
--- (the only place key names are spelled) and the TTLs and limits, as constants of the source.
+-- (the only place key names are spelled) and the TTLs and limits, as string constants of the
+-- source (Redis formats a number argument with snprintf; a string goes out as it is), and
+-- `local KP = {...}`: each template split at its `%s` placeholders, for key() below.
 -- ARGV[1] is the clock in ms, or "" for the server's own TIME. A script's own arguments start
 -- at ARGV[2].
 --

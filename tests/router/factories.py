@@ -16,6 +16,7 @@ from router.api_keys import ApiKeys
 from router.config import QueueSettings
 from router.messages import AdmitRequest
 from router.queues import TenantQueues
+from router.redis_client import connect
 from router.scripts import Scripts
 from router.streams import ResponseStreams
 from router.tenants import Tenant, TenantStore
@@ -57,7 +58,7 @@ class Harness:
 async def harness(
     url: str, clock: ManualClock | None = None, settings: QueueSettings | None = None
 ) -> AsyncIterator[Harness]:
-    client = aioredis.from_url(url)
+    client = connect(url)
     scripts = Scripts(client, clock)
     try:
         yield Harness(client, scripts, TenantStore(scripts), ApiKeys(scripts),
