@@ -22,3 +22,20 @@ class QueueSettings(BaseModel):
     queue_full_retry_after_ms: int = Field(
         1_000, ge=0, le=600_000, description="Retry-After sent when a tenant's queue is full"
     )
+
+
+class ApiSettings(BaseModel):
+    """Limits the HTTP API applies before anything is queued."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_body_bytes: int = Field(
+        1024 * 1024, ge=1024, le=64 * 1024 * 1024,
+        description="largest request body; a larger one is refused with 413",
+    )
+    stream_idle_timeout_s: float = Field(
+        600.0, gt=0, description="a response with no event for this long ends with an error"
+    )
+    allow_scale_from_zero: bool = Field(
+        False, description="/ready is true with no replica running (autoscaling starts one)"
+    )

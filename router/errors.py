@@ -89,3 +89,31 @@ class LeaseLostError(RouterError):
     status = 409
     type = "server_error"
     code = "lease_lost"
+
+
+class ReplicaUnavailableError(RouterError):
+    """A replica died or could not be reached; the request can run elsewhere."""
+
+    status = 503
+    type = "server_error"
+    code = "replica_unavailable"
+
+
+class ReplicaFailedError(RouterError):
+    """A replica refused or failed a request in a way another replica would repeat."""
+
+    status = 500
+    type = "server_error"
+    code = "replica_failed"
+
+
+class OverloadedError(RouterError):
+    """The cluster sheds load (no Redis, shutting down); retry after ``retry_after_s``."""
+
+    status = 503
+    type = "server_error"
+    code = "overloaded"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

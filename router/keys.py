@@ -13,7 +13,10 @@ Layout (prefix ``fs``):
   by the SHA-256 digest of the key), and the scheduler under the hash tag ``{sched}``:
   ``fs:{sched}:classes`` (ZSET of priority classes with backlog), ``fs:{sched}:ready:<class>``
   (ZSET tenant -> start tag of its head request), ``fs:{sched}:vtime`` (HASH class -> virtual
-  time), ``fs:{sched}:leases`` (ZSET ``"<tenant> <id>"`` -> lease deadline in ms).
+  time), ``fs:{sched}:leases`` (ZSET ``"<tenant> <id>"`` -> lease deadline in ms),
+  ``fs:{sched}:replicas`` (ZSET replica id -> time of its last load report in ms),
+  ``fs:{sched}:replica:<id>`` (STRING, the replica's last load report as JSON, with a TTL), and
+  the pub/sub channel ``fs:{sched}:wake`` (admissions wake the dispatchers).
 
 NOTE: router/scripts.py writes these templates (``%s`` placeholders) and the TTLs below into
 the source of every Lua script as constants (``K``, and ``KP``: each template split at its
@@ -43,6 +46,7 @@ STREAM_IDLE_TTL_S = 3600  # a response stream with no new event expires after th
 STREAM_ENDED_TTL_S = 15 * 60  # a finished stream stays resumable this long
 BUDGET_DAY_TTL_S = 2 * 24 * 3600  # one day's budget counter, kept past the day for inspection
 DEAD_LETTER_TTL_S = 7 * 24 * 3600  # the dead-letter set of a tenant, refreshed on every entry
+REPLICA_REPORT_TTL_S = 5  # a load report not refreshed for this long is of a dead replica
 STREAM_MAX_EVENTS = 100_000  # approximate cap (XADD MAXLEN ~) on one request's stream
 
 _TEMPLATES: dict[str, str] = {
@@ -61,6 +65,9 @@ _TEMPLATES: dict[str, str] = {
     "ready": PREFIX + ":{sched}:ready:%s",
     "vtime": PREFIX + ":{sched}:vtime",
     "leases": PREFIX + ":{sched}:leases",
+    "replicas": PREFIX + ":{sched}:replicas",
+    "replica": PREFIX + ":{sched}:replica:%s",
+    "wake": PREFIX + ":{sched}:wake",
 }
 
 # What every script is compiled with: the templates, and the TTLs and limits it applies.
@@ -152,6 +159,18 @@ def vtime() -> str:
 
 def leases() -> str:
     return _TEMPLATES["leases"]
+
+
+def replicas() -> str:
+    return _TEMPLATES["replicas"]
+
+
+def replica(replica_id: str) -> str:
+    return _TEMPLATES["replica"] % replica_id
+
+
+def wake_channel() -> str:
+    return _TEMPLATES["wake"]
 
 
 def lease_member(tenant_id: str, request_id: str) -> str:

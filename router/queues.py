@@ -120,13 +120,16 @@ class TenantQueues:
 
     # ---- grants and leases ----
 
-    async def grant(self, holder: str, free_slots: int, max_grants: int | None = None) -> GrantBatch:
-        """Up to ``min(free_slots, max_grants)`` requests, each leased to ``holder``."""
+    async def grant(self, holder: str, free_slots: int, max_grants: int | None = None,
+                    capacity: int | None = None) -> GrantBatch:
+        """Up to ``min(free_slots, max_grants)`` requests, each leased to ``holder``; with
+        ``capacity`` (the slots of all replicas) also no more than ``capacity`` minus the leases
+        live in the whole cluster, counted atomically with the grant."""
         if free_slots <= 0:
             return GrantBatch([], [])
         limit = max_grants or self.settings.max_grants_per_call
         reply = await self.scripts.run(Script.GRANT, holder, self.settings.lease_ms, free_slots,
-                                       limit)
+                                       limit, "" if capacity is None else capacity)
         grants = [_grant(holder, g) for g in reply[0]]
         warnings = [w.decode() for w in reply[1]]
         if warnings:

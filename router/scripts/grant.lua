@@ -4,12 +4,17 @@
 -- KEYS: none passed. Reads and writes fs:{sched}:classes, fs:{sched}:ready:<class>,
 --   fs:{sched}:vtime, fs:{sched}:leases, and of the chosen tenants fs:{t}:queue, fs:{t}:req:<id>,
 --   fs:{t}:state (finish tag), fs:{t}:stats; reads fs:{t}:tenant (weight).
--- ARGV: 2 holder id, 3 lease ms, 4 free capacity (slots), 5 most grants to return.
+-- ARGV: 2 holder id, 3 lease ms, 4 free capacity (slots), 5 most grants to return, 6 the
+--   cluster's total capacity in slots or "" (given: never more leases live than that, however
+--   many dispatchers call at once; the live leases are counted in this same atomic call).
 -- Returns {grants, warnings}: grants is a list of {tenant, id, attempt, lease deadline ms,
 --   body, meta, prompt tokens, max_tokens, created ms, grant sequence number}; warnings names
 --   stored data the script had to skip or read leniently ("<key> <field>").
 local holder, lease_ms = ARGV[2], tonumber(ARGV[3])
 local wanted = math.min(tonumber(ARGV[4]), tonumber(ARGV[5]))
+if ARGV[6] and ARGV[6] ~= '' then
+  wanted = math.min(wanted, tonumber(ARGV[6]) - redis.call('ZCARD', K.leases))
+end
 local now = clock_ms()
 local deadline = now + lease_ms
 -- as strings once: Redis formats a number argument with snprintf on every call

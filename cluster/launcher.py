@@ -1,0 +1,208 @@
+"""Brings a fairserve cluster up: Redis (embedded or given), Ray (local or given), the tenants,
+and the Serve application; and takes it down again.
+
+Used by ``fairserve up`` and by the end-to-end tests, so both start exactly the same cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from ray import serve
+
+from cluster.app import REPLICA_DEPLOYMENT, ROUTER_DEPLOYMENT, build_app
+from cluster.redis_server import EmbeddedRedis
+from cluster.settings import FairserveSettings
+from replicas.model_info import describe_model
+from replicas.server import EngineFactory
+from router.api_keys import ApiKeys
+from router.redis_client import connect
+from router.scripts import Scripts
+from router.tenants import Tenant, TenantStore, load_tenants_file
+
+logger = logging.getLogger(__name__)
+
+DEMO_TENANT = "demo"
+DEMO_KEY_FILE = "demo-key"
+READY_TIMEOUT_S = 600.0
+PROGRESS_EVERY_S = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterInfo:
+    base_url: str  # ends in /v1
+    redis_url: str
+    demo_key: str | None  # the demo tenant's key, when this launcher created or kept it
+
+
+class LocalCluster:
+    def __init__(self, settings: FairserveSettings, engine_factory: EngineFactory | None = None,
+                 progress: Callable[[str], None] | None = None) -> None:
+        self.settings = settings
+        self.engine_factory = engine_factory
+        self.progress = progress or (lambda line: logger.info("%s", line))
+        self.redis: EmbeddedRedis | None = None
+        self.info: ClusterInfo | None = None
+        self._started_ray = False
+
+    def start(self) -> ClusterInfo:
+        s = self.settings
+        started = time.perf_counter()
+        redis_url = self._start_redis()
+        demo_key = asyncio.run(self._prepare_tenants(redis_url))
+        self.progress(f"reading the model {s.engine.model} ...")
+        model = describe_model(s.engine)
+        self._start_ray()
+        serve.start(http_options={"host": s.router.host, "port": s.router.port})
+        self.progress(f"deploying {s.replicas.num_replicas} replica(s) and "
+                      f"{s.router.num_replicas} router(s); loading the model ...")
+        app = build_app(s, model, redis_url, self.engine_factory)
+        watcher = _StatusWatcher(s.app_name, self.progress)
+        watcher.start()
+        try:
+            serve.run(app, name=s.app_name, route_prefix="/")
+        finally:
+            watcher.stop()
+        host = "127.0.0.1" if s.router.host in ("0.0.0.0", "::") else s.router.host
+        base = f"http://{host}:{s.router.port}"
+        if s.replicas.num_replicas > 0:
+            _wait_ready(base, READY_TIMEOUT_S)
+        self.progress(f"ready in {time.perf_counter() - started:.1f} s")
+        self.info = ClusterInfo(f"{base}/v1", redis_url, demo_key)
+        return self.info
+
+    def stop(self) -> None:
+        if self._started_ray or ray.is_initialized():
+            try:
+                serve.delete(self.settings.app_name)
+            except Exception as exc:  # noqa: BLE001 - best effort while tearing down
+                logger.warning("deleting the Serve application failed: %s", exc)
+            if self._started_ray:
+                serve.shutdown()
+                ray.shutdown()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    # ---- steps ----
+
+    def _start_redis(self) -> str:
+        s = self.settings
+        if s.redis.url:
+            return s.redis.url
+        self.progress("starting the embedded redis-server ...")
+        self.redis = EmbeddedRedis(s.state_dir / "redis", port=s.redis.port,
+                                   appendfsync=s.redis.appendfsync).start()
+        return self.redis.url
+
+    def _start_ray(self) -> None:
+        s = self.settings
+        if ray.is_initialized():
+            return
+        self.progress("starting Ray ..." if s.ray.address is None else
+                      f"connecting to Ray at {s.ray.address} ...")
+        # the replicas' torch threads are set by the engine, not by OMP defaults per worker
+        ray.init(address=s.ray.address, num_cpus=s.ray.num_cpus if s.ray.address is None else None,
+                 include_dashboard=False, log_to_driver=os.environ.get("FAIRSERVE_RAY_LOGS") == "1",
+                 namespace="fairserve")
+        self._started_ray = True
+
+    async def _prepare_tenants(self, redis_url: str) -> str | None:
+        s = self.settings
+        client = connect(redis_url)
+        try:
+            scripts = Scripts(client)
+            store = TenantStore(scripts)
+            if s.tenants.file is not None:
+                tenants = load_tenants_file(s.tenants.file)
+                created, updated = await store.load(tenants)
+                self.progress(f"tenants from {s.tenants.file}: {created} created, "
+                              f"{updated} updated")
+            if not s.tenants.create_demo:
+                return None
+            key_file = s.state_dir / DEMO_KEY_FILE
+            existing = await store.all()
+            if any(t.id == DEMO_TENANT for t in existing) and key_file.is_file():
+                return key_file.read_text().strip()
+            if existing:
+                return None
+            await store.put(Tenant(id=DEMO_TENANT))
+            created_key = await ApiKeys(scripts).create(DEMO_TENANT, label="fairserve up")
+            _write_secret(key_file, created_key.secret)
+            self.progress(f"created tenant {DEMO_TENANT!r} and an API key (kept in {key_file})")
+            return created_key.secret
+        finally:
+            await client.aclose()
+
+
+def _write_secret(path: Path, secret: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+
+
+def _wait_ready(base: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{base}/ready", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except urllib.error.HTTPError as exc:
+            last = exc.read().decode(errors="replace")
+        except (urllib.error.URLError, OSError) as exc:
+            last = str(exc)
+        time.sleep(0.25)
+    raise TimeoutError(f"the cluster is not ready after {timeout_s} s: {last}")
+
+
+class _StatusWatcher:
+    """Prints the deployments' states while ``serve.run`` waits for them (the model loads)."""
+
+    def __init__(self, app_name: str, progress: Callable[[str], None]) -> None:
+        self.app_name = app_name
+        self.progress = progress
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="serve-status")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        last = ""
+        while not self._stop.wait(PROGRESS_EVERY_S):
+            try:
+                app = serve.status().applications.get(self.app_name)
+            except Exception:  # noqa: BLE001 - the controller may still be starting
+                continue
+            if app is None:
+                continue
+            parts = []
+            for name in (REPLICA_DEPLOYMENT, ROUTER_DEPLOYMENT):
+                deployment = app.deployments.get(name)
+                if deployment is not None:
+                    states = {str(k.value if hasattr(k, "value") else k).lower(): v
+                              for k, v in deployment.replica_states.items()}
+                    parts.append(f"{name}: " + json.dumps(states))
+            line = "  ".join(parts)
+            if line and line != last:
+                self.progress(f"  {time.monotonic() - started:5.0f} s  {line}")
+                last = line

@@ -1,0 +1,134 @@
+"""The one settings tree of a fairserve cluster.
+
+Sources, strongest first: arguments given in code, ``FAIRSERVE_*`` environment variables
+(nested with ``__``: ``FAIRSERVE_REPLICAS__NUM_REPLICAS=2``,
+``FAIRSERVE_ENGINE__NUM_THREADS=1``), then a YAML file (``fairserve up --config FILE``) with the
+same shape. Every branch forbids unknown keys, so a typo is an error naming it. The Helm chart's
+values map one-to-one onto these fields.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from cluster.redis_server import AppendFsync
+from replicas.engine.config import EngineConfig
+from router.config import ApiSettings, QueueSettings
+from router.dispatcher import DispatchSettings
+
+DEFAULT_STATE_DIR = Path(".fairserve")
+_YAML_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("yaml", default=None)
+
+
+class _Branch(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ReplicaSettings(_Branch):
+    num_replicas: int = Field(1, ge=0, le=1024, description="model replicas (fixed count)")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each replica")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each replica")
+    max_ongoing_requests: int = Field(
+        32, ge=1, le=4096,
+        description="requests one replica takes at once; the dispatchers never lease more",
+    )
+    health_check_period_s: float = Field(5.0, gt=0, description="Ray Serve health check period")
+    health_check_timeout_s: float = Field(30.0, gt=0, description="health check timeout")
+    graceful_shutdown_timeout_s: float = Field(
+        30.0, ge=0, description="how long a removed replica may finish its running requests"
+    )
+    report_interval_s: float = Field(0.5, gt=0, le=5, description="load report period")
+
+
+class RouterSettings(_Branch):
+    num_replicas: int = Field(1, ge=1, le=1024, description="router (ingress) replicas")
+    num_cpus: float = Field(0.25, ge=0, description="CPUs Ray reserves for each router")
+    host: str = Field("127.0.0.1", description="HTTP bind address of Ray Serve's proxy")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port")
+    max_ongoing_requests: int = Field(
+        2000, ge=1, description="HTTP requests one router replica holds at once (most wait)"
+    )
+    api: ApiSettings = Field(default_factory=ApiSettings)
+    dispatch: DispatchSettings = Field(default_factory=DispatchSettings)
+
+
+class RedisSettings(_Branch):
+    url: str | None = Field(
+        None, description="an existing Redis (redis://, rediss://); none: start the embedded one"
+    )
+    port: int = Field(6390, ge=1, le=65535, description="port of the embedded redis-server")
+    appendfsync: AppendFsync = Field(
+        AppendFsync.EVERYSEC, description="AOF fsync policy of the embedded redis-server"
+    )
+
+
+class RaySettings(_Branch):
+    address: str | None = Field(
+        None, description="an existing Ray cluster ('auto', 'ray://host:10001'); none: local"
+    )
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of a local Ray; default: all")
+
+
+class TenantsSettings(_Branch):
+    file: Path | None = Field(None, description="YAML file of tenants loaded at start")
+    create_demo: bool = Field(
+        True, description="create tenant 'demo' and print a key when no tenant exists"
+    )
+
+
+class FairserveSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FAIRSERVE_", env_nested_delimiter="__",
+                                      extra="forbid", frozen=True)
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    replicas: ReplicaSettings = Field(default_factory=ReplicaSettings)
+    router: RouterSettings = Field(default_factory=RouterSettings)
+    queues: QueueSettings = Field(default_factory=QueueSettings)
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    ray: RaySettings = Field(default_factory=RaySettings)
+    tenants: TenantsSettings = Field(default_factory=TenantsSettings)
+    state_dir: Path = Field(DEFAULT_STATE_DIR, description="embedded Redis data, run state")
+    app_name: str = Field("fairserve", min_length=1, description="Ray Serve application name")
+
+    @model_validator(mode="after")
+    def _check(self) -> FairserveSettings:
+        slots = self.replicas.max_ongoing_requests
+        if slots > self.engine.max_num_seqs:
+            raise ValueError(
+                f"replicas.max_ongoing_requests ({slots}) exceeds engine.max_num_seqs "
+                f"({self.engine.max_num_seqs}): requests would wait inside the engine, out of "
+                "sight of the fair queues")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        yaml_file = _YAML_FILE.get()
+        if yaml_file is not None:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
+        return tuple(sources)
+
+
+def load_settings(yaml_file: str | Path | None = None, **overrides: Any) -> FairserveSettings:
+    """Settings from ``overrides``, the environment and ``yaml_file``, in that order."""
+    if yaml_file is not None and not Path(yaml_file).is_file():
+        raise FileNotFoundError(f"settings file {yaml_file} does not exist")
+    token = _YAML_FILE.set(Path(yaml_file) if yaml_file is not None else None)
+    try:
+        return FairserveSettings(**overrides)
+    finally:
+        _YAML_FILE.reset(token)

@@ -1,0 +1,57 @@
+"""A replica's load report: what it writes to Redis for dispatchers, autoscaling and ``top``.
+
+The replica knows nothing of tenants or queues; it only says how busy it is. The key names come
+from ``router/keys.py`` (the one module that spells Redis keys); the report's shape is
+``router.capacity.ReplicaLoad``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from router import keys
+from router.capacity import ReplicaLoad
+from router.redis_client import connect
+
+logger = logging.getLogger(__name__)
+
+
+class LoadReporter:
+    def __init__(self, redis_url: str, snapshot: Callable[[], ReplicaLoad],
+                 interval_s: float = 0.5) -> None:
+        self.client: aioredis.Redis = connect(redis_url, socket_timeout=5)
+        self.snapshot = snapshot
+        self.interval_s = interval_s
+
+    async def report(self) -> None:
+        load = self.snapshot()
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.set(keys.replica(load.replica_id), load.to_json(), ex=keys.REPLICA_REPORT_TTL_S)
+            pipe.zadd(keys.replicas(), {load.replica_id: load.reported_ms})
+            await pipe.execute()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.report()
+            except (RedisError, OSError) as exc:
+                logger.warning("load report failed: %s", exc)
+            await asyncio.sleep(self.interval_s)
+
+    async def withdraw(self, replica_id: str) -> None:
+        """Stop counting this replica's slots at once (it is shutting down)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.delete(keys.replica(replica_id))
+            pipe.zrem(keys.replicas(), replica_id)
+            await pipe.execute()
+        await self.client.aclose()
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)

@@ -1,0 +1,147 @@
+"""The model replica: a Ray Serve deployment hosting one engine.
+
+Dispatchers call ``generate`` through a streaming deployment handle with the prompt's token ids
+(counted and reserved by the router) and sampling parameters; it yields wire chunks (plain
+dicts: the router does not import the engine). The engine is injected by a factory so tests can
+host a tiny model. ``check_health`` fails when the engine loop is dead or stuck, so Ray Serve
+replaces the replica. Every ``report_interval_s`` the replica writes its load report to Redis.
+On shutdown it withdraws its report first (no more grants for it) and lets running requests
+finish within Ray Serve's graceful shutdown timeout; whatever is cut off then is requeued by
+its dispatcher (the stream breaks before the first token) or ends with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from replicas.engine.async_engine import TorchEngine
+from replicas.engine.config import EngineConfig
+from replicas.engine.interface import Chunk, Engine, GenerateRequest
+from replicas.engine.sampling_params import SamplingParams
+from replicas.load_report import LoadReporter
+from router.capacity import ReplicaLoad
+
+logger = logging.getLogger(__name__)
+
+THROUGHPUT_WINDOW_S = 10.0
+DRAIN_POLL_S = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaOptions:
+    engine: EngineConfig
+    max_ongoing_requests: int
+    redis_url: str | None  # None: no load reports (a replica used without the router)
+    report_interval_s: float = 0.5
+    drain_timeout_s: float = 20.0
+
+
+EngineFactory = Callable[[EngineConfig], Engine]
+
+
+class ModelReplica:
+    async def __init__(self, options: ReplicaOptions,  # type: ignore[misc]  # Ray Serve awaits it
+                       engine_factory: EngineFactory | None = None) -> None:
+        self.options = options
+        self.engine: Engine = (engine_factory or TorchEngine)(options.engine)
+        await self.engine.start()
+        self.replica_id = _replica_id()
+        self._num_ongoing = 0
+        self._output_marks: list[tuple[float, int]] = []  # (time, output tokens), recent
+        self._reporter: LoadReporter | None = None
+        self._report_task: asyncio.Task[None] | None = None
+        if options.redis_url:
+            self._reporter = LoadReporter(options.redis_url, self.load_report,
+                                          options.report_interval_s)
+            await self._reporter.report()
+            self._report_task = asyncio.create_task(self._reporter.run())
+        logger.info("replica %s ready", self.replica_id)
+
+    async def generate(self, call: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        request = GenerateRequest(
+            request_id=call["request_id"],
+            sampling=SamplingParams(**_sampling_args(call["sampling"])),
+            prompt_token_ids=tuple(call["prompt_token_ids"]),
+            arrival_time_s=time.time(),
+        )
+        self._num_ongoing += 1
+        try:
+            async for chunk in self.engine.generate(request):
+                if chunk.token_ids:
+                    self._output_marks.append((time.monotonic(), len(chunk.token_ids)))
+                yield to_wire(chunk)
+        finally:
+            self._num_ongoing -= 1
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    def load_report(self) -> ReplicaLoad:
+        load = self.engine.load()
+        return ReplicaLoad(
+            replica_id=self.replica_id,
+            max_ongoing=self.options.max_ongoing_requests,
+            ongoing=self._num_ongoing,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            num_free_kv_blocks=load.num_free_kv_blocks,
+            num_total_kv_blocks=load.num_total_kv_blocks,
+            output_tokens_per_s=self._throughput(),
+            reported_ms=int(time.time() * 1000),
+        )
+
+    def _throughput(self) -> float:
+        horizon = time.monotonic() - THROUGHPUT_WINDOW_S
+        self._output_marks = [m for m in self._output_marks if m[0] >= horizon]
+        return round(sum(n for _, n in self._output_marks) / THROUGHPUT_WINDOW_S, 2)
+
+    async def __del__(self) -> None:
+        """Graceful shutdown: take no more grants, let running requests finish, stop."""
+        if self._report_task is not None:
+            self._report_task.cancel()
+        if self._reporter is not None:
+            await self._reporter.withdraw(self.replica_id)
+        deadline = time.monotonic() + self.options.drain_timeout_s
+        while self._num_ongoing and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        await self.engine.shutdown()
+
+
+def _sampling_args(raw: dict[str, Any]) -> dict[str, Any]:
+    args = dict(raw)
+    for name in ("stop", "stop_token_ids"):
+        if name in args:
+            args[name] = tuple(args[name])
+    return args
+
+
+def to_wire(chunk: Chunk) -> dict[str, Any]:
+    wire: dict[str, Any] = {"token_ids": list(chunk.token_ids), "text": chunk.text,
+                            "finish_reason": chunk.finish_reason.value
+                            if chunk.finish_reason else None}
+    if chunk.logprobs is not None:
+        wire["logprobs"] = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]]
+                            for lp in chunk.logprobs]
+    if chunk.usage is not None:
+        wire["usage"] = {"prompt_tokens": chunk.usage.num_prompt_tokens,
+                         "completion_tokens": chunk.usage.num_output_tokens,
+                         "cached_tokens": chunk.usage.num_cached_tokens}
+    if chunk.timings is not None:
+        wire["timings"] = asdict(chunk.timings)
+    return wire
+
+
+def _replica_id() -> str:
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except RayServeException:  # outside Ray Serve
+        return uuid.uuid4().hex[:12]

@@ -1,0 +1,360 @@
+"""The OpenAI-compatible HTTP API: routes, SSE exactly as OpenAI streams, and the one place
+where errors become OpenAI error bodies.
+
+Streams: ``data: {chunk}`` lines, the first chat chunk carrying the role, the last one the
+finish reason; with ``stream_options.include_usage`` every chunk has ``"usage": null`` and one
+more chunk with empty ``choices`` carries the usage; then ``data: [DONE]``. An error after the
+response has started is sent as ``data: {"error": ...}`` and the stream ends.
+
+A client that disconnects cancels its request (queued: it leaves its queue and is refunded;
+running: the engine aborts it and frees its KV blocks). Ray Serve cancels the handler when the
+HTTP client goes away; a streaming response's generator is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from router.api_keys import Principal
+from router.errors import InvalidRequestError, RateLimitError, RouterError
+from router.openai_models import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorBody,
+    ModelList,
+)
+from router.response_events import ChunkData, EndData
+from router.service import RouterService, Submission
+
+logger = logging.getLogger(__name__)
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": text} for status, text in (
+        (400, "invalid request (the offending field in error.param)"),
+        (401, "missing, unknown or revoked API key"),
+        (403, "the key's tenant is disabled"),
+        (404, "unknown model"),
+        (409, "an Idempotency-Key reused for a different request"),
+        (413, "body too large, or the request alone exceeds a tenant limit"),
+        (429, "quota reached or the tenant's queue is full (see Retry-After)"),
+        (503, "Redis unreachable or the cluster is shedding load (see Retry-After)"),
+    )
+}
+
+
+def build_api(service: RouterService) -> FastAPI:
+    app = FastAPI(title="fairserve", version="0.1.0",
+                  description="OpenAI-compatible API of a multi-tenant LLM serving cluster")
+    app.add_middleware(BodyLimit, max_bytes=service.api.max_body_bytes)
+    _add_error_handlers(app)
+
+    @app.get("/health", summary="liveness")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready", summary="Redis reachable and replicas (or scale-from-zero) available",
+             responses={503: {"description": "not ready"}})
+    async def ready() -> JSONResponse:
+        state = await service.readiness()
+        return JSONResponse(state, status_code=200 if state["ready"] else 503)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models(authorization: str | None = Header(None)) -> dict[str, Any]:
+        await service.authenticate(authorization)
+        return {"object": "list", "data": [{
+            "id": service.model.served_model_name, "object": "model",
+            "created": service.model.created_s, "owned_by": "fairserve"}]}
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses={
+        **ERROR_RESPONSES, 200: {"description": "a completion, or with stream=true an SSE "
+                                 "stream of chat.completion.chunk objects", "content": {
+                                     "text/event-stream": {"schema": ChatCompletionChunk.model_json_schema()}}}})
+    async def chat_completions(
+        body: ChatCompletionRequest,
+        authorization: str | None = Header(None),
+        idempotency_key: str | None = Header(None),
+    ) -> Any:
+        principal = await service.authenticate(authorization)
+        return await _respond(service, principal, body, idempotency_key)
+
+    @app.post("/v1/completions", response_model=Completion, responses={
+        **ERROR_RESPONSES, 200: {"description": "a completion, or with stream=true an SSE "
+                                 "stream of text_completion objects"}})
+    async def completions(
+        body: CompletionRequest,
+        authorization: str | None = Header(None),
+        idempotency_key: str | None = Header(None),
+    ) -> Any:
+        principal = await service.authenticate(authorization)
+        return await _respond(service, principal, body, idempotency_key)
+
+    return app
+
+
+async def _respond(service: RouterService, principal: Principal,
+                   body: ChatCompletionRequest | CompletionRequest,
+                   idempotency_key: str | None) -> Any:
+    submission = await service.submit(principal, body, idempotency_key)
+    shaper = _Shaper(body, submission, service.model.served_model_name)
+    if body.stream:
+        return StreamingResponse(_sse(service, submission, shaper), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": submission.request_id})
+    try:
+        async for item in service.events(submission.tenant_id, submission.request_id):
+            if isinstance(item, ChunkData):
+                shaper.add(item)
+            else:
+                _raise_if_failed(item)
+                return JSONResponse(shaper.final(item),
+                                    headers={"X-Request-Id": submission.request_id})
+    except asyncio.CancelledError:  # the client went away
+        await asyncio.shield(service.cancel(submission.tenant_id, submission.request_id))
+        raise
+    raise RouterError("the response stream ended without its terminal event")
+
+
+async def _sse(service: RouterService, submission: Submission, shaper: _Shaper) -> AsyncIterator[str]:
+    is_ended = False
+    try:
+        yield _data(shaper.first_chunk())
+        async for item in service.events(submission.tenant_id, submission.request_id):
+            if isinstance(item, ChunkData):
+                yield _data(shaper.delta(item))
+                continue
+            is_ended = True
+            _raise_if_failed(item)
+            for payload in shaper.last_chunks(item):
+                yield _data(payload)
+            yield "data: [DONE]\n\n"
+            return
+    except RouterError as exc:
+        is_ended = True
+        yield _data(_error_body(exc))
+    finally:
+        if not is_ended:  # disconnect (or cancellation of this handler)
+            await asyncio.shield(service.cancel(submission.tenant_id, submission.request_id))
+
+
+def _data(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _raise_if_failed(end: EndData) -> None:
+    if end.error is not None:
+        error = RouterError(end.error.get("message", "the request failed"), end.error.get("param"))
+        error.status = int(end.error.get("status", 500))
+        error.type = end.error.get("type", "server_error")
+        error.code = end.error.get("code")
+        raise error
+    if end.outcome == "dead":
+        error = RouterError(f"the request could not be served ({end.reason})")
+        error.code = "dead_lettered"
+        raise error
+    if end.outcome == "cancelled":
+        error = RouterError(f"the request was cancelled ({end.reason})")
+        error.status, error.code = 499, "cancelled"
+        raise error
+
+
+class _Shaper:
+    """Builds OpenAI's chat or completions objects from response events."""
+
+    def __init__(self, body: ChatCompletionRequest | CompletionRequest, submission: Submission,
+                 model: str) -> None:
+        self.is_chat = isinstance(body, ChatCompletionRequest)
+        self.include_usage = body.include_usage
+        self.id = submission.request_id
+        self.model = model
+        self.created = int(time.time())
+        self.texts: list[str] = []
+        self.logprobs: list[Any] = []
+        self.wants_logprobs = bool(body.logprobs) if self.is_chat else body.logprobs is not None
+
+    def _envelope(self, choices: list[dict[str, Any]], streaming: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if streaming else "chat.completion") if self.is_chat \
+            else "text_completion"
+        out: dict[str, Any] = {"id": self.id, "object": kind, "created": self.created,
+                               "model": self.model, "choices": choices}
+        if streaming and self.include_usage:
+            out["usage"] = None
+        return out
+
+    def add(self, chunk: ChunkData) -> None:
+        self.texts.append(chunk.text)
+        if chunk.logprobs:
+            self.logprobs.extend(chunk.logprobs)
+
+    def first_chunk(self) -> dict[str, Any]:
+        if self.is_chat:
+            return self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}], True)
+        return self._envelope([{"index": 0, "text": "", "logprobs": None,
+                                "finish_reason": None}], True)
+
+    def delta(self, chunk: ChunkData) -> dict[str, Any]:
+        logprobs = self._logprobs(chunk.logprobs or [], offset=sum(map(len, self.texts))) \
+            if self.wants_logprobs else None
+        self.add(chunk)
+        if self.is_chat:
+            choice = {"index": 0, "delta": {"content": chunk.text}, "logprobs": logprobs,
+                      "finish_reason": None}
+        else:
+            choice = {"index": 0, "text": chunk.text, "logprobs": logprobs, "finish_reason": None}
+        return self._envelope([choice], True)
+
+    def last_chunks(self, end: EndData) -> list[dict[str, Any]]:
+        finish = end.finish_reason
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if self.is_chat:
+            choice["delta"] = {}
+        else:
+            choice["text"] = ""
+        chunks = [self._envelope([choice], True)]
+        if self.include_usage:
+            usage = self._envelope([], True)
+            usage["usage"] = _usage(end)
+            chunks.append(usage)
+        return chunks
+
+    def final(self, end: EndData) -> dict[str, Any]:
+        text = "".join(self.texts)
+        logprobs = self._logprobs(self.logprobs, 0) if self.wants_logprobs else None
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
+                                  "finish_reason": end.finish_reason}
+        choice |= {"message": {"role": "assistant", "content": text}} if self.is_chat \
+            else {"text": text}
+        out = self._envelope([choice], False)
+        out["usage"] = _usage(end)
+        return out
+
+    def _logprobs(self, items: list[Any], offset: int) -> dict[str, Any]:
+        if self.is_chat:
+            return {"content": [{
+                "token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                "top_logprobs": [{"token": t, "logprob": p, "bytes": list(t.encode())}
+                                 for t, p in top]} for tok, lp, top in items]}
+        offsets, position = [], offset
+        for tok, _, _ in items:
+            offsets.append(position)
+            position += len(tok)
+        return {"tokens": [tok for tok, _, _ in items],
+                "token_logprobs": [lp for _, lp, _ in items],
+                "top_logprobs": [dict(top) for _, _, top in items],
+                "text_offset": offsets}
+
+
+def _usage(end: EndData) -> dict[str, Any]:
+    return {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
+            "total_tokens": end.prompt_tokens + end.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": end.cached_tokens}}
+
+
+# ---- errors: the one place they become OpenAI bodies ----
+
+
+def _error_body(exc: RouterError) -> dict[str, Any]:
+    return {"error": {"message": exc.message, "type": exc.type, "param": exc.param,
+                      "code": exc.code}}
+
+
+def error_response(exc: RouterError) -> JSONResponse:
+    headers = {}
+    retry_after = getattr(exc, "retry_after_s", None)
+    if retry_after is not None:
+        headers["Retry-After"] = str(max(1, int(-(-retry_after // 1))))  # whole seconds, up
+        if isinstance(exc, RateLimitError):
+            headers["X-RateLimit-Reason"] = exc.reason
+    return JSONResponse(_error_body(exc), status_code=exc.status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RouterError)
+    async def _router_error(_: Request, exc: RouterError) -> JSONResponse:
+        if exc.status >= 500:
+            logger.error("request failed: %s", exc.message)
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = describe_validation_error(exc.errors())
+        return JSONResponse(_error_body(InvalidRequestError(message, param)), status_code=400)
+
+
+def describe_validation_error(errors: Any) -> tuple[str, str | None]:
+    """OpenAI-style message and ``param`` for the first pydantic error of a request."""
+    first = list(errors)[0]
+    where = [p for p in first.get("loc", ()) if p != "body"]
+    # a union reports the branch it tried (str, list[int]); it is not part of the field path
+    where = [p for p in where if not (isinstance(p, str) and ("[" in p or p in _TYPE_NAMES))]
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in where).lstrip(".") or None
+    kind, message = first.get("type"), str(first.get("msg", "invalid"))
+    if kind == "extra_forbidden":
+        return f"unsupported field {param!r}: fairserve does not implement it", param
+    if kind == "json_invalid":
+        return "the body is not valid JSON", None
+    if kind == "value_error" and message.startswith("Value error, "):
+        field, _, text = message.removeprefix("Value error, ").partition(": ")
+        return f"{field}: {text}", field
+    if kind == "missing":
+        return f"missing required field {param!r}", param
+    return f"{param}: {message}" if param else message, param
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "TextPart"}
+
+
+class BodyLimit:
+    """Refuses bodies over ``max_bytes`` with 413, by Content-Length or as they stream in."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers", [])).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _BodyTooLarge:
+            await self._refuse(send)
+
+    async def _refuse(self, send: Send) -> None:
+        body = json.dumps({"error": {
+            "message": f"request body over {self.max_bytes} bytes", "type": "invalid_request_error",
+            "param": None, "code": "request_too_large"}}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _BodyTooLarge(Exception):
+    pass

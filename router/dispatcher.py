@@ -1,0 +1,272 @@
+"""The dispatcher: a loop in every router replica that grants queued requests to replicas.
+
+One loop step: wait to be woken (an admission on any router publishes on the wake channel; a
+local admission or completion sets an event; a short poll catches the rest), reap expired
+leases now and then, read the replicas' capacity, and call the grant script with it. Each
+grant runs as its own task: it streams the request through a replica, appends the chunks to
+the request's response stream (the reader may be on another router), renews the lease, watches
+for a cancel, and completes the request, settling its reservation.
+
+Failures: a replica that dies or cannot be reached before the first token is the dispatcher's
+problem, not the client's: the request is requeued (head of its queue, fairness credit back)
+and runs again, dead-lettered after ``max_deliveries``. After the first token the request ends
+with an error event (resuming on another replica from the tokens sent is not built yet). A
+replica that refuses the request ends it with that error. A dispatcher that loses its lease
+(it stalled past the deadline and the reaper took the request back) drops the stream; the new
+holder owns it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+from redis.exceptions import RedisError
+
+from router import response_events
+from router.capacity import CapacityView
+from router.errors import (
+    LeaseLostError,
+    ReplicaFailedError,
+    ReplicaUnavailableError,
+    RouterError,
+)
+from router.messages import Grant, Lease, RequestState
+from router.prompt_tokenizer import PromptTokenizer
+from router.queues import TenantQueues
+from router.streams import ResponseStreams
+
+logger = logging.getLogger(__name__)
+
+
+class DispatchSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    poll_s: float = Field(0.2, gt=0, le=10, description="longest wait between grant attempts")
+    renew_s: float = Field(
+        1.0, gt=0, le=60,
+        description="lease renewal period; also how soon a cancel from another router is seen",
+    )
+    reap_s: float = Field(1.0, gt=0, le=60, description="how often this dispatcher reaps leases")
+    capacity_refresh_s: float = Field(
+        0.25, gt=0, le=10, description="how often the replicas' load reports are re-read"
+    )
+
+
+class ReplicaStream(Protocol):
+    def __aiter__(self) -> AsyncIterator[dict[str, Any]]: ...
+
+    def cancel(self) -> None: ...
+
+
+class ReplicaPool(Protocol):
+    """How a dispatcher reaches the replicas (a Ray Serve handle in the cluster)."""
+
+    def generate(self, call: dict[str, Any]) -> ReplicaStream:
+        """Start one request; iterating yields wire chunks. Raises ``ReplicaUnavailableError``
+        or ``ReplicaFailedError`` while iterating."""
+        ...
+
+
+@dataclass(slots=True)
+class _Running:
+    grant: Grant
+    stream: ReplicaStream | None = None
+    is_cancel_requested: bool = False
+    num_output_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+class Dispatcher:
+    def __init__(self, queues: TenantQueues, streams: ResponseStreams, replicas: ReplicaPool,
+                 tokenizer: PromptTokenizer, holder: str,
+                 settings: DispatchSettings | None = None) -> None:
+        self.queues = queues
+        self.streams = streams
+        self.replicas = replicas
+        self.tokenizer = tokenizer
+        self.holder = holder
+        self.settings = settings or DispatchSettings()
+        self.capacity = CapacityView(queues.client, self.settings.capacity_refresh_s)
+        self._wake = asyncio.Event()
+        self._running: dict[str, _Running] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._last_reap = 0.0
+
+    # ---- the loop ----
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.settings.poll_s)
+            self._wake.clear()
+            try:
+                await self._step()
+            except RouterError as exc:
+                logger.error("dispatch step failed: %s", exc.message)
+                await asyncio.sleep(self.settings.poll_s)
+            except (RedisError, OSError) as exc:  # Redis away: keep trying
+                logger.error("dispatch step failed, Redis unreachable: %s", exc)
+                await asyncio.sleep(self.settings.poll_s)
+
+    async def _step(self) -> None:
+        if time.monotonic() - self._last_reap >= self.settings.reap_s:
+            self._last_reap = time.monotonic()
+            reaped = await self.queues.reap()
+            if reaped.num_requeued or reaped.num_dead:
+                logger.warning("reaper: %d requeued, %d dead-lettered", reaped.num_requeued,
+                               reaped.num_dead)
+        slots = await self.capacity.total_slots()
+        if slots <= 0:
+            return
+        batch = await self.queues.grant(self.holder, slots, capacity=slots)
+        for grant in batch.grants:
+            task = asyncio.create_task(self._serve(grant), name=f"dispatch {grant.request_id}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        if len(batch.grants) >= self.queues.settings.max_grants_per_call:
+            self._wake.set()  # more may be waiting
+
+    async def shutdown(self) -> None:
+        """Stop serving: running requests are handed back to their queues."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---- local cancellation (a client of this router hung up) ----
+
+    def abort_local(self, request_id: str) -> bool:
+        running = self._running.get(request_id)
+        if running is None:
+            return False
+        running.is_cancel_requested = True
+        if running.stream is not None:
+            running.stream.cancel()
+        return True
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    # ---- one request ----
+
+    async def _serve(self, grant: Grant) -> None:
+        running = _Running(grant, prompt_tokens=grant.prompt_tokens)
+        self._running[grant.request_id] = running
+        renewer = asyncio.create_task(self._renew(running))
+        try:
+            await self._run_on_replica(running)
+        except LeaseLostError as exc:
+            logger.warning("dropped %s: %s", grant.request_id, exc.message)
+        except asyncio.CancelledError:  # this router is shutting down: hand the request back
+            with contextlib.suppress(RouterError, RedisError, OSError):
+                await asyncio.shield(self.queues.requeue(grant.lease, "router shutdown"))
+            raise
+        except (RedisError, OSError) as exc:
+            logger.error("lost Redis while serving %s: %s (the reaper will requeue it)",
+                         grant.request_id, exc)
+        finally:
+            renewer.cancel()
+            if running.stream is not None:
+                running.stream.cancel()
+            self._running.pop(grant.request_id, None)
+            self._wake.set()  # a slot is free
+
+    async def _run_on_replica(self, running: _Running) -> None:
+        grant = running.grant
+        lease = grant.lease
+        body = json.loads(grant.body)
+        call = {"request_id": f"{grant.request_id}.{lease.attempt}",
+                "prompt_token_ids": body["prompt_token_ids"], "sampling": body["sampling"]}
+        want_logprobs = bool(body["sampling"].get("logprobs"))
+        try:
+            running.stream = self.replicas.generate(call)
+            async for wire in running.stream:
+                if running.is_cancel_requested:
+                    break
+                if await self._relay(running, wire, want_logprobs):
+                    return
+        except ReplicaUnavailableError as exc:
+            if running.num_output_tokens == 0 and not running.is_cancel_requested:
+                state = await self.queues.requeue(lease, exc.message)
+                logger.warning("replica unavailable for %s: %s; %s", grant.request_id,
+                               exc.message, state.value)
+                return
+            await self._fail(running, exc)
+            return
+        except ReplicaFailedError as exc:
+            await self._fail(running, exc)
+            return
+        await self._end_cancelled(running)
+
+    async def _relay(self, running: _Running, wire: dict[str, Any], want_logprobs: bool) -> bool:
+        """Append one chunk; True when it was the final one and the request is completed."""
+        ids: list[int] = wire["token_ids"]
+        running.num_output_tokens += len(ids)
+        logprobs = _logprobs(self.tokenizer, wire.get("logprobs")) if want_logprobs else None
+        events = []
+        if ids or wire["text"]:
+            events.append((response_events.CHUNK,
+                           response_events.chunk_data(wire["text"], len(ids), logprobs)))
+        if events:
+            status = await self.streams.append(running.grant.lease, events)
+            if status.is_cancel_requested:
+                self.abort_local(running.grant.request_id)
+        if wire.get("finish_reason") is None:
+            return False
+        usage = wire["usage"]
+        final = response_events.end_data(wire["finish_reason"], usage["prompt_tokens"],
+                                         usage["completion_tokens"], usage["cached_tokens"],
+                                         wire.get("timings"))
+        outcome = (RequestState.CANCELLED if wire["finish_reason"] == "abort"
+                   else RequestState.COMPLETED)
+        await self.queues.complete(running.grant.lease, usage["prompt_tokens"],
+                                   usage["completion_tokens"], wire["finish_reason"], final,
+                                   outcome)
+        return True
+
+    async def _end_cancelled(self, running: _Running) -> None:
+        used = running.num_output_tokens
+        final = response_events.end_data("abort", running.prompt_tokens, used, 0)
+        await self.queues.complete(running.grant.lease, running.prompt_tokens, used, "abort",
+                                   final, RequestState.CANCELLED)
+
+    async def _fail(self, running: _Running, error: RouterError) -> None:
+        logger.error("request %s failed: %s", running.grant.request_id, error.message)
+        used = running.num_output_tokens
+        await self.queues.complete(running.grant.lease, running.prompt_tokens, used, "error",
+                                   response_events.error_data(error, running.prompt_tokens, used))
+
+    async def _renew(self, running: _Running) -> None:
+        lease: Lease = running.grant.lease
+        while True:
+            await asyncio.sleep(self.settings.renew_s)
+            try:
+                status = await self.queues.renew(lease)
+            except LeaseLostError:
+                logger.warning("lease on %s lost", lease.request_id)
+                self.abort_local(lease.request_id)
+                return
+            except (RedisError, OSError) as exc:
+                logger.warning("renewing %s failed: %s", lease.request_id, exc)
+                continue
+            if status.is_cancel_requested:
+                self.abort_local(lease.request_id)
+
+
+def _logprobs(tokenizer: PromptTokenizer, raw: list[Any] | None) -> list[Any] | None:
+    """Wire logprobs ``[[id, logprob, [[id, logprob], ...]], ...]`` with token texts."""
+    if raw is None:
+        return None
+    return [[tokenizer.piece(tid), lp, [[tokenizer.piece(t), p] for t, p in top]]
+            for tid, lp, top in raw]

@@ -1,0 +1,67 @@
+"""Prompt tokens on the router: counted before anything is queued, sent to replicas as ids.
+
+The router must know a prompt's length to check the context limit and reserve tokens, and it
+must not load torch or the model. The cluster builder hands it a ``ModelInfo``: the model's
+limits and its tokenizer as the files ``save_pretrained`` writes (taken from the model's own
+source, so chat templates and special tokens are the engine's). The router sends the token ids
+it counted, so the replica runs exactly what was reserved.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from router.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    served_model_name: str
+    max_model_len: int  # longest prompt + output the engine accepts
+    kv_capacity_tokens: int  # tokens one replica's whole KV cache holds
+    tokenizer_files: dict[str, bytes] = field(repr=False)  # file name -> contents
+    created_s: int = 0  # for /v1/models
+
+
+class PromptTokenizer:
+    def __init__(self, info: ModelInfo) -> None:
+        from transformers import PreTrainedTokenizerFast  # pure tokenizers: no torch
+
+        with tempfile.TemporaryDirectory(prefix="fairserve-tokenizer-") as directory:
+            for name, content in info.tokenizer_files.items():
+                (Path(directory) / name).write_bytes(content)
+            self._hf: Any = PreTrainedTokenizerFast.from_pretrained(directory)
+        self._piece_cache: dict[int, str] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._hf.encode(text))
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Ids of a chat rendered with the model's template and a generation prompt."""
+        import jinja2
+
+        if not getattr(self._hf, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template", param="messages")
+        try:
+            ids = self._hf.apply_chat_template(
+                [dict(m) for m in messages], add_generation_prompt=True, tokenize=True,
+                return_dict=False)
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
+            raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
+        return list(ids)
+
+    def piece(self, token_id: int) -> str:
+        """The text of one token alone (OpenAI's ``logprobs`` token strings)."""
+        text = self._piece_cache.get(token_id)
+        if text is None:
+            text = self._hf.decode([token_id], clean_up_tokenization_spaces=False)
+            self._piece_cache[token_id] = text
+        return text
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._hf)

@@ -1,0 +1,77 @@
+"""What a dispatcher writes into a request's response stream, and what a reader makes of it.
+
+Event types: ``chunk`` (new text, the number of new tokens, their logprobs), ``end`` (terminal:
+finish reason, usage, engine timings; or ``outcome`` for a request that ended unserved, or
+``error`` for one that failed) and ``error`` (terminal: dead-lettered). Data is JSON.
+Logprobs travel as ``[token text, logprob, [[text, logprob], ...]]`` and are shaped into the
+chat or completions form by the reader.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.errors import RouterError
+from router.messages import StreamEvent
+
+CHUNK = "chunk"
+END = "end"
+
+
+@dataclass(slots=True)
+class ChunkData:
+    text: str
+    num_tokens: int
+    logprobs: list[Any] | None = None
+
+
+@dataclass(slots=True)
+class EndData:
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    outcome: str | None = None  # "cancelled" or "dead" when the request ended unserved
+    reason: str | None = None
+    error: dict[str, Any] | None = None  # an OpenAI error object when the request failed
+
+
+def chunk_data(text: str, num_tokens: int, logprobs: list[Any] | None) -> str:
+    payload: dict[str, Any] = {"text": text, "n": num_tokens}
+    if logprobs is not None:
+        payload["lp"] = logprobs
+    return json.dumps(payload)
+
+
+def end_data(finish_reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+             timings: dict[str, float] | None = None) -> str:
+    return json.dumps({"finish_reason": finish_reason, "prompt_tokens": prompt_tokens,
+                       "completion_tokens": completion_tokens, "cached_tokens": cached_tokens,
+                       "timings": timings or {}})
+
+
+def error_data(error: RouterError, prompt_tokens: int = 0, completion_tokens: int = 0) -> str:
+    return json.dumps({"finish_reason": "error", "prompt_tokens": prompt_tokens,
+                       "completion_tokens": completion_tokens,
+                       "error": {"status": error.status, "message": error.message,
+                                 "type": error.type, "param": error.param,
+                                 "code": error.code}})
+
+
+def parse(event: StreamEvent) -> ChunkData | EndData:
+    data = json.loads(event.data)
+    if event.type == CHUNK:
+        return ChunkData(data["text"], int(data["n"]), data.get("lp"))
+    return EndData(
+        finish_reason=data.get("finish_reason"),
+        prompt_tokens=int(data.get("prompt_tokens", 0)),
+        completion_tokens=int(data.get("completion_tokens", 0)),
+        cached_tokens=int(data.get("cached_tokens", 0)),
+        timings=data.get("timings") or {},
+        outcome=data.get("outcome"),
+        reason=data.get("reason"),
+        error=data.get("error"),
+    )

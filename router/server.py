@@ -1,0 +1,93 @@
+"""The router as a Ray Serve ingress deployment, and the dispatcher's way to the replicas.
+
+``RouterServer`` holds one ``RouterService`` (Redis client, dispatcher loop) and serves the
+FastAPI app of ``router/api.py``, built after the constructor (``__serve_build_asgi_app__``).
+``ServeReplicaPool`` calls the model deployment through a streaming handle and turns Ray's
+failures into the router's: a replica that died or cannot be reached is
+``ReplicaUnavailableError`` (the dispatcher requeues), an exception raised by the replica's own
+code is ``ReplicaFailedError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray.exceptions
+from ray import serve
+from ray.serve.exceptions import (
+    BackPressureError,
+    DeploymentUnavailableError,
+    RayServeException,
+    RequestCancelledError,
+)
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from router.api import build_api
+from router.config import ApiSettings, QueueSettings
+from router.dispatcher import DispatchSettings
+from router.errors import ReplicaFailedError, ReplicaUnavailableError
+from router.prompt_tokenizer import ModelInfo
+from router.redis_client import connect
+from router.service import RouterService
+
+logger = logging.getLogger(__name__)
+
+_UNAVAILABLE = (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError,
+                ray.exceptions.RayActorError, DeploymentUnavailableError, BackPressureError)
+
+
+class _ReplicaStream:
+    def __init__(self, response: DeploymentResponseGenerator) -> None:
+        self.response = response
+
+    def cancel(self) -> None:
+        self.response.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        try:
+            async for wire in self.response:
+                yield wire
+        except RequestCancelledError:
+            return
+        except _UNAVAILABLE as exc:
+            raise ReplicaUnavailableError(f"replica unavailable: {exc}") from exc
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+            raise ReplicaFailedError(f"the replica failed the request: {cause}") from exc
+        except RayServeException as exc:
+            raise ReplicaUnavailableError(f"replica unavailable: {exc}") from exc
+
+
+class ServeReplicaPool:
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self.handle = handle.options(stream=True)
+
+    def generate(self, call: dict[str, Any]) -> _ReplicaStream:
+        response = self.handle.generate.remote(call)
+        assert isinstance(response, DeploymentResponseGenerator), "the handle streams"
+        return _ReplicaStream(response)
+
+
+@serve.ingress()
+class RouterServer:
+    async def __init__(self, replicas: DeploymentHandle, model: ModelInfo, redis_url: str,  # type: ignore[misc]  # Ray Serve awaits it
+                       api: ApiSettings, queues: QueueSettings,
+                       dispatch: DispatchSettings) -> None:
+        try:
+            holder = f"router-{serve.get_replica_context().replica_id.unique_id}"
+        except RayServeException:
+            holder = f"router-{uuid.uuid4().hex[:12]}"
+        client = connect(redis_url, socket_timeout=10, health_check_interval=30)
+        self.service = RouterService(client, model, ServeReplicaPool(replicas), holder, api,
+                                     queues, dispatch)
+        await self.service.start()
+        logger.info("router %s ready", holder)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return build_api(self.service)
+
+    async def __del__(self) -> None:
+        await self.service.stop()

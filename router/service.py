@@ -1,0 +1,215 @@
+"""The router's request path, below HTTP: authenticate, validate against the model and the
+tenant, admit into the tenant's queue, and read the response stream back.
+
+One ``RouterService`` per router replica. It owns the Redis client and the dispatcher loop
+(``router/dispatcher.py``); the HTTP layer (``router/api.py``) turns its results and errors into
+OpenAI responses. Admissions wake the local dispatcher directly and the others through the
+Redis wake channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from router import keys, response_events
+from router.api_keys import ApiKeys, Principal
+from router.config import ApiSettings, QueueSettings
+from router.dispatcher import Dispatcher, DispatchSettings, ReplicaPool
+from router.errors import InvalidRequestError, NotFoundError
+from router.messages import AdmitRequest, CancelOutcome, RequestState
+from router.openai_models import ChatCompletionRequest, CompletionRequest
+from router.prompt_tokenizer import ModelInfo, PromptTokenizer
+from router.queues import TenantQueues
+from router.scripts import Scripts
+from router.streams import ResponseStreams
+
+logger = logging.getLogger(__name__)
+
+IDEMPOTENCY_KEY_MAX_CHARS = 255
+WAKE_READ_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """An admitted request (new, or the existing one an Idempotency-Key joined)."""
+
+    tenant_id: str
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    is_duplicate: bool
+    queue_depth: int | None
+
+
+class RouterService:
+    def __init__(self, client: aioredis.Redis, model: ModelInfo, replicas: ReplicaPool,
+                 holder: str, api: ApiSettings | None = None,
+                 queue_settings: QueueSettings | None = None,
+                 dispatch: DispatchSettings | None = None) -> None:
+        self.client = client
+        self.model = model
+        self.api = api or ApiSettings()
+        self.tokenizer = PromptTokenizer(model)
+        scripts = Scripts(client)
+        self.api_keys = ApiKeys(scripts)
+        self.queues = TenantQueues(scripts, queue_settings)
+        self.streams = ResponseStreams(scripts)
+        self.dispatcher = Dispatcher(self.queues, self.streams, replicas, self.tokenizer, holder,
+                                     dispatch)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self.dispatcher.run(), name="dispatcher"),
+                       asyncio.create_task(self._listen_for_wakes(), name="wake listener")]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.dispatcher.shutdown()
+        await self.client.aclose()
+
+    # ---- the request path ----
+
+    async def authenticate(self, authorization: str | None) -> Principal:
+        scheme, _, credential = (authorization or "").partition(" ")
+        api_key = credential.strip() if scheme.lower() == "bearer" else None
+        return await self.api_keys.authenticate(api_key)
+
+    async def submit(self, principal: Principal, request: ChatCompletionRequest | CompletionRequest,
+                     idempotency_key: str | None) -> Submission:
+        if request.model != self.model.served_model_name:
+            raise NotFoundError(f"the model {request.model!r} does not exist; this cluster serves "
+                                f"{self.model.served_model_name!r}", param="model")
+        prompt_ids, prompt_param = self._prompt_ids(request)
+        max_tokens = await self._max_tokens(principal.tenant_id, request, len(prompt_ids),
+                                            prompt_param)
+        body = json.dumps({"prompt_token_ids": prompt_ids,
+                           "sampling": _sampling(request, max_tokens)})
+        request_id = _request_id(principal.tenant_id, request, idempotency_key)
+        admission = await self.queues.admit(AdmitRequest(
+            principal.tenant_id, request_id, len(prompt_ids), max_tokens, body))
+        if not admission.is_duplicate:
+            self.dispatcher.wake()
+            await self.client.publish(keys.wake_channel(), b"1")
+        return Submission(principal.tenant_id, request_id, len(prompt_ids), max_tokens,
+                          admission.is_duplicate, admission.queue_depth)
+
+    def _prompt_ids(self, request: ChatCompletionRequest | CompletionRequest) -> tuple[list[int], str]:
+        if isinstance(request, ChatCompletionRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+            return self.tokenizer.encode_chat(messages), "messages"
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif all(isinstance(p, str) for p in prompt):  # a list of one string
+            ids = self.tokenizer.encode(str(prompt[0]))
+        else:
+            ids = [int(t) for t in prompt]
+            vocab = self.tokenizer.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        return ids, "prompt"
+
+    async def _max_tokens(self, tenant_id: str, request: ChatCompletionRequest | CompletionRequest,
+                          num_prompt: int, prompt_param: str) -> int:
+        context = min(self.model.max_model_len, self.model.kv_capacity_tokens)
+        if num_prompt >= context:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {context} tokens; the prompt has "
+                f"{num_prompt}", param=prompt_param)
+        requested = request.requested_max_tokens
+        if requested is None:  # chat: as long as the context and the tenant's cap allow
+            cap = await self.client.hget(keys.tenant(tenant_id), "max_tokens")
+            requested = min(context - num_prompt, int(cap) if cap else context)
+        elif num_prompt + requested > context:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {context} tokens; the prompt has "
+                f"{num_prompt} and max_tokens is {requested}", param="max_tokens")
+        if request.min_tokens > requested:
+            raise InvalidRequestError(
+                f"min_tokens ({request.min_tokens}) must not exceed max_tokens ({requested})",
+                param="min_tokens")
+        return requested
+
+    async def events(self, tenant_id: str, request_id: str
+                     ) -> AsyncIterator[response_events.ChunkData | response_events.EndData]:
+        async for event in self.streams.read(tenant_id, request_id,
+                                             idle_timeout_s=self.api.stream_idle_timeout_s):
+            yield response_events.parse(event)
+
+    async def cancel(self, tenant_id: str, request_id: str, reason: str = "client") -> None:
+        """The client went away: a queued request leaves its queue, a running one is aborted."""
+        try:
+            outcome = await self.queues.cancel(tenant_id, request_id, reason)
+        except (NotFoundError, RedisError) as exc:
+            logger.warning("cancelling %s failed: %s", request_id, exc)
+            return
+        if outcome is CancelOutcome.FLAGGED:
+            self.dispatcher.abort_local(request_id)
+
+    async def request_state(self, tenant_id: str, request_id: str) -> RequestState:
+        return (await self.queues.get(tenant_id, request_id)).state
+
+    # ---- readiness ----
+
+    async def readiness(self) -> dict[str, Any]:
+        try:
+            await self.client.ping()
+        except RedisError as exc:
+            return {"ready": False, "redis": f"unreachable: {exc}", "replicas": None}
+        loads = await self.dispatcher.capacity.loads()
+        ready = bool(loads) or self.api.allow_scale_from_zero
+        return {"ready": ready, "redis": "ok", "replicas": len(loads),
+                "slots": sum(load.max_ongoing for load in loads)}
+
+    async def _listen_for_wakes(self) -> None:
+        while True:
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(keys.wake_channel())
+                while True:  # short reads: the client's socket timeout must not fire
+                    if await pubsub.get_message(timeout=WAKE_READ_S) is not None:
+                        self.dispatcher.wake()
+            except (RedisError, OSError) as exc:
+                logger.warning("wake channel lost: %s; polling until it is back", exc)
+                await asyncio.sleep(1.0)
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()
+
+
+def _sampling(request: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> dict[str, Any]:
+    if isinstance(request, ChatCompletionRequest):
+        logprobs, top = request.logprobs, request.top_logprobs or 0
+    else:
+        logprobs, top = request.logprobs is not None, request.logprobs or 0
+    return {"max_tokens": max_tokens, "min_tokens": request.min_tokens,
+            "temperature": request.temperature, "top_p": request.top_p, "seed": request.seed,
+            "stop": list(request.stop_strings), "logprobs": logprobs, "top_logprobs": top}
+
+
+def _request_id(tenant_id: str, request: ChatCompletionRequest | CompletionRequest,
+                idempotency_key: str | None) -> str:
+    prefix = "chatcmpl" if isinstance(request, ChatCompletionRequest) else "cmpl"
+    if idempotency_key is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    if not 0 < len(idempotency_key) <= IDEMPOTENCY_KEY_MAX_CHARS:
+        raise InvalidRequestError(
+            f"Idempotency-Key must be 1-{IDEMPOTENCY_KEY_MAX_CHARS} characters",
+            param="Idempotency-Key")
+    digest = hashlib.sha256(f"{tenant_id}\0{idempotency_key}".encode()).hexdigest()[:32]
+    return f"{prefix}-idem-{digest}"
