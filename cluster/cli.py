@@ -1,69 +1,161 @@
-"""The ``fairserve`` command line.
+"""The ``fairserve`` command line: ``up``, ``down``, ``status`` and ``tenants ...``.
 
-At this stage ``fairserve up`` runs one engine behind a minimal local OpenAI-style endpoint
-(``replicas.local_server``); the Ray Serve cluster with tenant queues replaces it later.
+``fairserve up`` runs in the foreground (Ctrl-C, or ``fairserve down`` from another shell,
+stops it): it starts the embedded Redis (or uses ``--redis-url``), a local Ray (or joins
+``--ray-address``), the Serve application with the model, creates a demo tenant and key when
+there is no tenant, and prints the base URL, the key and working ``curl`` and ``openai``
+snippets. Its run state (pid, URLs) is kept in ``<state_dir>/run.json`` for ``down``/``status``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import os
+import signal
 import sys
+import threading
 import time
+from pathlib import Path
+from typing import Any
 
+from cluster.settings import DEFAULT_STATE_DIR, FairserveSettings, load_settings
 from cluster.tenants_cli import add_tenants_parser
+
+RUN_FILE = "run.json"
+DOWN_TIMEOUT_S = 60.0
+
+
+def _settings(args: argparse.Namespace) -> FairserveSettings:
+    overrides: dict[str, Any] = {}
+
+    def put(branch: str, name: str, value: Any) -> None:
+        if value is not None:
+            overrides.setdefault(branch, {})[name] = value
+
+    put("router", "host", args.host)
+    put("router", "port", args.port)
+    put("router", "num_replicas", args.routers)
+    put("replicas", "num_replicas", args.replicas)
+    put("engine", "model", args.model)
+    put("engine", "num_threads", args.threads)
+    put("redis", "url", args.redis_url)
+    put("ray", "address", args.ray_address)
+    if args.state_dir is not None:
+        overrides["state_dir"] = args.state_dir
+    return load_settings(args.config, **overrides)
 
 
 def _up(args: argparse.Namespace) -> int:
-    import uvicorn
+    from cluster.launcher import LocalCluster
 
-    from replicas.engine.async_engine import TorchEngine
-    from replicas.engine.config import EngineConfig
-    from replicas.local_server import build_app
-
-    config = EngineConfig(**({"model": args.model} if args.model else {}), num_threads=args.threads)
-    engine = TorchEngine(config)
-    print(f"loading {config.model} ...", flush=True)
-    started = time.perf_counter()
-
-    async def serve() -> None:
-        await engine.start()
-        load = engine.load()
-        base = f"http://{args.host}:{args.port}/v1"
-        print(f"engine ready in {time.perf_counter() - started:.1f} s: "
-              f"{load.num_total_kv_blocks} KV blocks, model {config.served_model_name}")
-        print(f"\nbase URL: {base}\n")
-        print(f"  curl {base}/chat/completions -H 'Content-Type: application/json' \\\n"
-              f"    -d '{{\"model\": \"{config.served_model_name}\", \"messages\": "
-              f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n")
-        print(f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base}', api_key='local'); "
-              f"print(c.chat.completions.create(model='{config.served_model_name}', "
-              f"messages=[{{'role': 'user', 'content': 'Hi!'}}]).choices[0].message.content)\"\n", flush=True)
-        app = build_app(engine, config.served_model_name)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
-        try:
-            await server.serve()
-        finally:
-            await engine.shutdown()
-
-    asyncio.run(serve())
+    settings = _settings(args)
+    cluster = LocalCluster(settings, progress=lambda line: print(line, flush=True))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        info = cluster.start()
+        run_file = settings.state_dir / RUN_FILE
+        run_file.write_text(json.dumps({"pid": os.getpid(), "base_url": info.base_url,
+                                        "redis_url": info.redis_url}))
+        _print_welcome(info.base_url, info.demo_key, settings.engine.served_model_name)
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("stopping ...", flush=True)
+        cluster.stop()
+        (settings.state_dir / RUN_FILE).unlink(missing_ok=True)
     return 0
 
 
+def _print_welcome(base: str, key: str | None, model: str) -> None:
+    shown_key = key or "<your key: fairserve tenants key-create TENANT>"
+    print(f"\nbase URL: {base}\nAPI key:  {shown_key}\n")
+    print(f"  curl {base}/chat/completions -H 'Authorization: Bearer {shown_key}' \\\n"
+          f"    -H 'Content-Type: application/json' \\\n"
+          f"    -d '{{\"model\": \"{model}\", \"messages\": "
+          f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n")
+    print(f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base}', "
+          f"api_key='{shown_key}'); print(c.chat.completions.create(model='{model}', "
+          f"messages=[{{'role': 'user', 'content': 'Hi!'}}]).choices[0].message.content)\"\n")
+    print("Ctrl-C or `fairserve down` stops it.", flush=True)
+
+
+def _run_state(state_dir: Path) -> dict[str, Any] | None:
+    try:
+        state: dict[str, Any] = json.loads((state_dir / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return state
+
+
+def _down(args: argparse.Namespace) -> int:
+    state = _run_state(args.state_dir or DEFAULT_STATE_DIR)
+    if state is None:
+        print("fairserve is not running (no run state)", file=sys.stderr)
+        return 1
+    pid = int(state["pid"])
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        print(f"fairserve (pid {pid}) is not running", file=sys.stderr)
+        return 1
+    deadline = time.monotonic() + DOWN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            print("stopped")
+            return 0
+        time.sleep(0.5)
+    print(f"fairserve (pid {pid}) did not stop within {DOWN_TIMEOUT_S:.0f} s", file=sys.stderr)
+    return 1
+
+
+def _status(args: argparse.Namespace) -> int:
+    from cluster.status import print_status
+
+    state = _run_state(args.state_dir or DEFAULT_STATE_DIR)
+    if state is None:
+        print("fairserve is not running (no run state)")
+        return 1
+    return asyncio.run(print_status(state["base_url"], state["redis_url"]))
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="fairserve", description="fairserve: multi-tenant LLM serving")
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="fairserve",
+                                     description="fairserve: multi-tenant LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="serve the default model locally (CPU)")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=8000)
+    up = sub.add_parser("up", help="start the cluster here (foreground)")
+    up.add_argument("--config", default=None, help="settings YAML file")
+    up.add_argument("--host", default=None)
+    up.add_argument("--port", type=int, default=None)
     up.add_argument("--model", default=None, help="a GGUF file or a Hugging Face directory")
-    up.add_argument("--threads", type=int, default=None, help="torch threads for the engine")
+    up.add_argument("--threads", type=int, default=None, help="torch threads per replica")
+    up.add_argument("--replicas", type=int, default=None, help="model replicas")
+    up.add_argument("--routers", type=int, default=None, help="router replicas")
+    up.add_argument("--redis-url", default=None, help="use this Redis, not the embedded one")
+    up.add_argument("--ray-address", default=None, help="join this Ray cluster")
+    up.add_argument("--state-dir", type=Path, default=None)
     up.set_defaults(func=_up)
+    for name, func, text in (("down", _down, "stop the cluster `fairserve up` started"),
+                             ("status", _status, "replicas, tenants and queues")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--state-dir", type=Path, default=None)
+        cmd.set_defaults(func=func)
     add_tenants_parser(sub)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError) as exc:  # settings errors name the field
+        print(f"fairserve: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,54 @@
+"""``fairserve status``: readiness, replicas (from their load reports) and tenants' queues."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from router import keys
+from router.capacity import read_loads
+from router.redis_client import connect
+from router.scripts import Scripts
+from router.tenants import TenantStore
+
+
+def fetch_json(url: str) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null")
+    except (urllib.error.URLError, OSError) as exc:
+        return 0, {"error": str(exc)}
+
+
+async def print_status(base_url: str, redis_url: str) -> int:
+    code, ready = fetch_json(base_url.removesuffix("/v1") + "/ready")
+    print(f"{base_url}: {'ready' if code == 200 else 'NOT READY'} {json.dumps(ready)}")
+    client = connect(redis_url, socket_timeout=5)
+    try:
+        loads = await read_loads(client)
+        print(f"\nreplicas: {len(loads)}")
+        print(f"  {'replica':<14}{'slots':>6}{'ongoing':>8}{'running':>8}{'waiting':>8}"
+              f"{'KV used':>9}{'tok/s':>8}")
+        for load in sorted(loads, key=lambda x: x.replica_id):
+            used = load.num_total_kv_blocks - load.num_free_kv_blocks
+            print(f"  {load.replica_id:<14}{load.max_ongoing:>6}{load.ongoing:>8}"
+                  f"{load.num_running:>8}{load.num_waiting:>8}"
+                  f"{used:>4}/{load.num_total_kv_blocks:<4}{load.output_tokens_per_s:>8.1f}")
+        tenants = await TenantStore(Scripts(client)).all()
+        leased = await client.zcard(keys.leases())
+        print(f"\ntenants: {len(tenants)}   running (leased): {leased}")
+        print(f"  {'tenant':<20}{'weight':>7}{'prio':>5}{'queued':>8}{'completed':>10}"
+              f"{'out tokens':>11}")
+        for tenant in tenants:
+            depth = await client.llen(keys.queue(tenant.id))
+            raw: dict[bytes, bytes] = await client.hgetall(keys.stats(tenant.id))  # type: ignore[misc,assignment]
+            stats = {k.decode(): v.decode() for k, v in raw.items()}
+            print(f"  {tenant.id:<20}{tenant.weight:>7g}{tenant.priority:>5}{depth:>8}"
+                  f"{stats.get('completed', '0'):>10}{stats.get('output_tokens', '0'):>11}")
+    finally:
+        await client.aclose()
+    return 0 if code == 200 else 1
