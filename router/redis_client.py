@@ -29,8 +29,19 @@ class PackedConnection(aioredis.Connection):
             return super().pack_command(*args)
 
 
-def connect(url: str, **kwargs: Any) -> aioredis.Redis:
-    """An async client for ``url``; plain ``redis://`` connections pack with hiredis."""
+POOL_WAIT_S = 10.0  # how long a command waits for a free connection of a bounded pool
+
+
+def connect(url: str, max_connections: int | None = None, **kwargs: Any) -> aioredis.Redis:
+    """An async client for ``url``; plain ``redis://`` connections pack with hiredis.
+
+    With ``max_connections`` the pool is bounded and blocking: a burst of requests waits for a
+    connection (up to ``POOL_WAIT_S``) instead of failing with "Too many connections".
+    """
     if urlparse(url).scheme == "redis" and "connection_class" not in kwargs:
         kwargs["connection_class"] = PackedConnection
-    return aioredis.from_url(url, **kwargs)
+    if max_connections is None:
+        return aioredis.from_url(url, **kwargs)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=POOL_WAIT_S, **kwargs)
+    return aioredis.Redis.from_pool(pool)

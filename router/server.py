@@ -35,6 +35,9 @@ from router.service import RouterService
 
 logger = logging.getLogger(__name__)
 
+# connections of one router: commands are short (blocking reads share one connection)
+REDIS_POOL_SIZE = 64
+
 _UNAVAILABLE = (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError,
                 ray.exceptions.RayActorError, DeploymentUnavailableError, BackPressureError)
 
@@ -80,7 +83,8 @@ class RouterServer:
             holder = f"router-{serve.get_replica_context().replica_id.unique_id}"
         except RayServeException:
             holder = f"router-{uuid.uuid4().hex[:12]}"
-        client = connect(redis_url, socket_timeout=10, health_check_interval=30)
+        client = connect(redis_url, max_connections=REDIS_POOL_SIZE, socket_timeout=10,
+                         health_check_interval=30)
         self.service = RouterService(client, model, ServeReplicaPool(replicas), holder, api,
                                      queues, dispatch)
         await self.service.start()

@@ -32,6 +32,7 @@ from router.openai_models import ChatCompletionRequest, CompletionRequest
 from router.prompt_tokenizer import ModelInfo, PromptTokenizer
 from router.queues import TenantQueues
 from router.scripts import Scripts
+from router.stream_mux import StreamMux
 from router.streams import ResponseStreams
 
 logger = logging.getLogger(__name__)
@@ -65,11 +66,13 @@ class RouterService:
         self.api_keys = ApiKeys(scripts)
         self.queues = TenantQueues(scripts, queue_settings)
         self.streams = ResponseStreams(scripts)
+        self.mux = StreamMux(client)
         self.dispatcher = Dispatcher(self.queues, self.streams, replicas, self.tokenizer, holder,
                                      dispatch)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
+        self.mux.start()
         self._tasks = [asyncio.create_task(self.dispatcher.run(), name="dispatcher"),
                        asyncio.create_task(self._listen_for_wakes(), name="wake listener")]
 
@@ -78,6 +81,7 @@ class RouterService:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.dispatcher.shutdown()
+        await self.mux.stop()
         await self.client.aclose()
 
     # ---- the request path ----
@@ -147,8 +151,8 @@ class RouterService:
 
     async def events(self, tenant_id: str, request_id: str
                      ) -> AsyncIterator[response_events.ChunkData | response_events.EndData]:
-        async for event in self.streams.read(tenant_id, request_id,
-                                             idle_timeout_s=self.api.stream_idle_timeout_s):
+        async for event in self.mux.read(tenant_id, request_id,
+                                         idle_timeout_s=self.api.stream_idle_timeout_s):
             yield response_events.parse(event)
 
     async def cancel(self, tenant_id: str, request_id: str, reason: str = "client") -> None:
