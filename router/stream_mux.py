@@ -55,15 +55,20 @@ class StreamMux:
         self._num_reads = 0  # XREAD calls issued so far
         self._is_blocked = False
         self._task: asyncio.Task[None] | None = None
+        self._is_stopping = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="stream mux")
 
     async def stop(self) -> None:
+        # redis-py may swallow a cancellation that lands in a blocked read, so the loop also
+        # checks a flag, and is woken up to see it
+        self._is_stopping = True
+        self._changed.set()
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(self._task, READ_BLOCK_MS / 1000 * 3)
 
     async def read(self, tenant_id: str, request_id: str, after: str = "0-0",
                    idle_timeout_s: float | None = None) -> AsyncIterator[StreamEvent]:
@@ -113,7 +118,7 @@ class StreamMux:
             await asyncio.sleep(UNBLOCK_RETRY_S)
 
     async def _run(self) -> None:
-        while True:
+        while not self._is_stopping:
             reader = aioredis.Redis(connection_pool=self.client.connection_pool,
                                     single_connection_client=True)
             try:
@@ -131,7 +136,7 @@ class StreamMux:
                     await reader.aclose()
 
     async def _read_forever(self, reader: aioredis.Redis) -> None:
-        while True:
+        while not self._is_stopping:
             if not self._waiters:
                 await self._changed.wait()
             self._changed.clear()
@@ -146,11 +151,14 @@ class StreamMux:
             finally:
                 self._is_blocked = False
             for raw_key, entries in reply or []:
-                self._deliver(raw_key.decode(), entries)
+                key = raw_key.decode()
+                self._deliver(key, _id_key(streams[key]), entries)
 
-    def _deliver(self, stream_key: str, entries: list[Any]) -> None:
+    def _deliver(self, stream_key: str, start: tuple[int, int], entries: list[Any]) -> None:
         for waiter in self._waiters.get(stream_key, []):
             position = _id_key(waiter.last)
+            if position < start:  # joined during this read: it would miss what lies between
+                continue
             for raw_id, fields in entries:
                 event_id = raw_id.decode()
                 if _id_key(event_id) <= position:
