@@ -206,3 +206,18 @@ class _StatusWatcher:
             if line and line != last:
                 self.progress(f"  {time.monotonic() - started:5.0f} s  {line}")
                 last = line
+
+
+def add_tenant_with_key(redis_url: str, tenant: Tenant, label: str = "") -> str:
+    """Create or replace ``tenant`` and return a new API key of it (benchmarks, tests)."""
+
+    async def go() -> str:
+        client = connect(redis_url)
+        try:
+            scripts = Scripts(client)
+            await TenantStore(scripts).put(tenant)
+            return (await ApiKeys(scripts).create(tenant.id, label=label)).secret
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())

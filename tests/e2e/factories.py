@@ -10,11 +10,10 @@ from typing import Any
 
 import openai
 
-from cluster.launcher import LocalCluster
+from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.redis_server import free_port
 from cluster.settings import load_settings
 from router import keys
-from router.api_keys import ApiKeys
 from router.capacity import ReplicaLoad, read_loads
 from router.redis_client import connect
 from router.scripts import Scripts
@@ -43,15 +42,7 @@ class E2ECluster:
 
     def add_tenant(self, tenant: Tenant) -> str:
         """Create (or replace) a tenant; returns a new API key of it."""
-        async def go() -> str:
-            client = connect(self.redis_url)
-            try:
-                scripts = Scripts(client)
-                await TenantStore(scripts).put(tenant)
-                return (await ApiKeys(scripts).create(tenant.id)).secret
-            finally:
-                await client.aclose()
-        return asyncio.run(go())
+        return add_tenant_with_key(self.redis_url, tenant)
 
     async def redis_state(self) -> tuple[int, list[ReplicaLoad], dict[str, int]]:
         """Live leases, replica load reports, and queued requests per tenant."""

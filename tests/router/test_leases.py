@@ -194,3 +194,20 @@ def test_malformed_queue_entries_are_skipped_with_a_warning_not_a_crash(redis_ur
             assert (await h.queues.get("acme", "r1")).state == RequestState.DEAD
 
     run(scenario())
+
+
+def test_grants_never_exceed_the_cluster_capacity_across_dispatchers(redis_url) -> None:
+    async def scenario() -> None:
+        async with harness(redis_url) as h:
+            await add_tenants(h, Tenant(id="acme"))
+            for i in range(10):
+                await h.queues.admit(make_request("acme", f"r{i}"))
+            first = (await h.queues.grant("d1", 10, capacity=3)).grants
+            assert len(first) == 3
+            assert (await h.queues.grant("d2", 10, capacity=3)).grants == []
+            await h.queues.complete(first[0].lease, 10, 5, "stop")
+            assert len((await h.queues.grant("d2", 10, capacity=3)).grants) == 1
+            assert await h.queues.num_leased() == 3
+            assert len((await h.queues.grant("d2", 10)).grants) == 6  # no capacity: free slots
+
+    run(scenario())
