@@ -41,7 +41,7 @@ from router.errors import (
 from router.messages import Grant, Lease, RequestState
 from router.prompt_tokenizer import PromptTokenizer
 from router.queues import TenantQueues
-from router.streams import ResponseStreams
+from router.streams import AppendBatcher, ResponseStreams
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +51,9 @@ class DispatchSettings(BaseModel):
 
     poll_s: float = Field(0.2, gt=0, le=10, description="longest wait between grant attempts")
     renew_s: float = Field(
-        1.0, gt=0, le=60,
-        description="lease renewal period; also how soon a cancel from another router is seen",
+        3.0, gt=0, le=60,
+        description="lease renewal period; also how soon a cancel from another router reaches "
+        "a request that has produced no token yet (every appended chunk also reports it)",
     )
     reap_s: float = Field(1.0, gt=0, le=60, description="how often this dispatcher reaps leases")
     capacity_refresh_s: float = Field(
@@ -90,6 +91,7 @@ class Dispatcher:
                  settings: DispatchSettings | None = None) -> None:
         self.queues = queues
         self.streams = streams
+        self.appends = AppendBatcher(streams)
         self.replicas = replicas
         self.tokenizer = tokenizer
         self.holder = holder
@@ -219,7 +221,7 @@ class Dispatcher:
             events.append((response_events.CHUNK,
                            response_events.chunk_data(wire["text"], len(ids), logprobs)))
         if events:
-            status = await self.streams.append(running.grant.lease, events)
+            status = await self.appends.append(running.grant.lease, events)
             if status.is_cancel_requested:
                 self.abort_local(running.grant.request_id)
         if wire.get("finish_reason") is None:

@@ -9,6 +9,7 @@ can resume from the last event id it saw; a finished stream expires after
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -31,15 +32,31 @@ class ResponseStreams:
     async def append(self, lease: Lease, events: list[tuple[str, str]]) -> LeaseStatus:
         """Append (type, data) events; returns whether a cancel was requested. ``deadline_ms`` of
         the status is 0: appending does not renew the lease."""
-        flat = [part for event in events for part in event]
-        reply = await self.scripts.run(
-            Script.APPEND, keys.check_tenant_id(lease.tenant_id),
-            keys.check_request_id(lease.request_id), lease.holder, str(lease.attempt), *flat)
-        if reply[0] == b"stale":
-            raise LeaseLostError(
-                f"lease on {lease.request_id!r} (attempt {lease.attempt}) lost: "
-                f"the request is {reply[1].decode()}", param="request_id")
-        return LeaseStatus(0, bool(int(reply[2])))
+        (result,) = await self.append_many([(lease, events)])
+        if isinstance(result, LeaseLostError):
+            raise result
+        return result
+
+    async def append_many(self, entries: list[tuple[Lease, list[tuple[str, str]]]]
+                          ) -> list[LeaseStatus | LeaseLostError]:
+        """Appends for several requests in one script call; each entry's status, or the
+        ``LeaseLostError`` of an entry whose lease is gone (the others are still written)."""
+        args: list[str] = []
+        for lease, events in entries:
+            args += [keys.check_tenant_id(lease.tenant_id), keys.check_request_id(lease.request_id),
+                     lease.holder, str(lease.attempt), str(len(events))]
+            args += [part for event in events for part in event]
+        replies = await self.scripts.run(Script.APPEND, len(entries), *args)
+        results: list[LeaseStatus | LeaseLostError] = []
+        for (lease, _), reply in zip(entries, replies, strict=True):
+            if reply[0] == b"stale":
+                results.append(LeaseLostError(
+                    f"lease on {lease.request_id!r} (attempt {lease.attempt}) lost: "
+                    f"the request is {reply[1].decode()}", param="request_id"))
+            else:
+                results.append(LeaseStatus(0, bool(int(reply[2]))))
+        return results
+
 
     async def read(
         self,
@@ -72,3 +89,54 @@ class ResponseStreams:
                 yield event
                 if event.is_terminal:
                     return
+
+
+class AppendBatcher:
+    """Coalesces the appends of many requests into few script calls.
+
+    Appends made while a call is in flight wait and go out together in the next one; an append
+    with nothing in flight goes out on the next turn of the event loop, so a lone stream gains
+    no latency while 32 streams fed by one engine step share one round trip.
+    """
+
+    def __init__(self, streams: ResponseStreams) -> None:
+        self.streams = streams
+        self._pending: list[tuple[Lease, list[tuple[str, str]], asyncio.Future[LeaseStatus]]] = []
+        self._is_flushing = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def append(self, lease: Lease, events: list[tuple[str, str]]) -> LeaseStatus:
+        future: asyncio.Future[LeaseStatus] = asyncio.get_running_loop().create_future()
+        self._pending.append((lease, events, future))
+        if not self._is_flushing:
+            self._is_flushing = True
+            asyncio.get_running_loop().call_soon(self._flush_soon)
+        return await future
+
+    def _flush_soon(self) -> None:
+        task = asyncio.create_task(self._flush())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _flush(self) -> None:
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                try:
+                    results = await self.streams.append_many([(lease, events) for lease, events, _ in batch])
+                except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
+                    for _, _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    continue
+                for (_, _, future), result in zip(batch, results, strict=True):
+                    if future.done():
+                        continue
+                    if isinstance(result, LeaseLostError):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+        finally:
+            self._is_flushing = False

@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from router.messages import Grant
+from router import keys
+from router.errors import LeaseLostError
+from router.messages import Grant, Lease, LeaseStatus
 from router.redis_client import connect
 from router.stream_mux import READ_BLOCK_MS, StreamMux
+from router.streams import AppendBatcher
 from router.tenants import Tenant
 from tests.router.factories import add_tenants, harness, make_request, run
 
@@ -103,3 +106,25 @@ def test_two_readers_of_one_stream_each_get_every_event_once(redis_url) -> None:
 
 async def _collect(mux: StreamMux, rid: str) -> list[str]:
     return [e.data async for e in mux.read("acme", rid)]
+
+
+def test_concurrent_appends_share_a_script_call_and_a_stale_one_fails_alone(redis_url) -> None:
+    async def scenario() -> None:
+        async with harness(redis_url) as h:
+            grants = await _grants(h, 20)
+            batcher = AppendBatcher(h.streams)
+            stale = Lease("acme", grants[0].request_id, "d", grants[0].lease.attempt + 1)
+            before = (await h.client.info("commandstats"))["cmdstat_evalsha"]["calls"]
+            results = await asyncio.gather(
+                batcher.append(stale, [("chunk", "dup")]),
+                *(batcher.append(g.lease, [("chunk", g.request_id)]) for g in grants),
+                return_exceptions=True)
+            calls = (await h.client.info("commandstats"))["cmdstat_evalsha"]["calls"] - before
+            assert isinstance(results[0], LeaseLostError)
+            assert all(isinstance(r, LeaseStatus) for r in results[1:])
+            assert calls == 1
+            for g in grants:
+                events = await h.client.xrange(keys.stream("acme", g.request_id))
+                assert [e[1][b"data"].decode() for e in events] == [g.request_id]
+
+    run(scenario())
