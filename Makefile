@@ -2,13 +2,14 @@
 #   make up      start fairserve locally on the default model (CPU)
 #   make test    the whole test suite except GPU tests
 #   make bench   the engine benchmark against the transformers baseline
+#   make bench-cluster  the same workload direct and through the cluster's HTTP API
 
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install up test test-fast bench lint clean
+.PHONY: install up test test-fast bench bench-cluster lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +35,9 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m replicas.engine.bench
+
+bench-cluster: $(STAMP)
+	$(PY) -m cluster.bench
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check router replicas cluster tests

@@ -10,7 +10,8 @@ flight at a time (a closed loop). Direct: the async ``TorchEngine`` in this proc
 ``fairserve``'s own launcher (embedded Redis, local Ray, one replica with the same engine
 settings, one router), driven over HTTP with the ``openai`` SDK, streaming; prompts are sent as
 token ids (``/v1/completions``) and the output length is pinned with ``min_tokens``. TTFT is
-from a request's start to its first token (first content chunk through the cluster). Runs
+from a request's start to its first token (through the cluster: the first SSE chunk, which
+carries it; its text may be empty while a character is incomplete). Runs
 alternate direct and cluster, with fresh prompts each run (no prefix-cache help); the table
 shows the median run of each.
 """
@@ -66,7 +67,7 @@ async def run_cluster(client: openai.AsyncOpenAI, model: str, prompts: list[list
                 model=model, prompt=ids, max_tokens=num_out, temperature=0, stream=True,
                 stream_options={"include_usage": True}, extra_body={"min_tokens": num_out})
             async for chunk in stream:
-                if first is None and chunk.choices and chunk.choices[0].text:
+                if first is None and chunk.choices:  # every completions chunk carries tokens
                     first = time.perf_counter()
                 if chunk.usage is not None:
                     tokens = chunk.usage.completion_tokens

@@ -111,7 +111,7 @@ async def _respond(service: RouterService, principal: Principal,
     shaper = _Shaper(body, submission, service.model.served_model_name)
     if body.stream:
         return StreamingResponse(_sse(service, submission, shaper), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Request-Id": submission.request_id})
+                                 headers={"Cache-Control": "no-cache", "X-Fairserve-Request-Id": submission.request_id})
     try:
         async for item in service.events(submission.tenant_id, submission.request_id):
             if isinstance(item, ChunkData):
@@ -119,7 +119,7 @@ async def _respond(service: RouterService, principal: Principal,
             else:
                 _raise_if_failed(item)
                 return JSONResponse(shaper.final(item),
-                                    headers={"X-Request-Id": submission.request_id})
+                                    headers={"X-Fairserve-Request-Id": submission.request_id})
     except asyncio.CancelledError:  # the client went away
         await asyncio.shield(service.cancel(submission.tenant_id, submission.request_id))
         raise
@@ -129,7 +129,9 @@ async def _respond(service: RouterService, principal: Principal,
 async def _sse(service: RouterService, submission: Submission, shaper: _Shaper) -> AsyncIterator[str]:
     is_ended = False
     try:
-        yield _data(shaper.first_chunk())
+        opener = shaper.first_chunk()
+        if opener is not None:
+            yield _data(opener)
         async for item in service.events(submission.tenant_id, submission.request_id):
             if isinstance(item, ChunkData):
                 yield _data(shaper.delta(item))
@@ -197,12 +199,12 @@ class _Shaper:
         if chunk.logprobs:
             self.logprobs.extend(chunk.logprobs)
 
-    def first_chunk(self) -> dict[str, Any]:
-        if self.is_chat:
-            return self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}], True)
-        return self._envelope([{"index": 0, "text": "", "logprobs": None,
-                                "finish_reason": None}], True)
+    def first_chunk(self) -> dict[str, Any] | None:
+        """Chat streams open with the role (as OpenAI's do); completions start with text."""
+        if not self.is_chat:
+            return None
+        return self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}], True)
 
     def delta(self, chunk: ChunkData) -> dict[str, Any]:
         logprobs = self._logprobs(chunk.logprobs or [], offset=sum(map(len, self.texts))) \
