@@ -19,16 +19,21 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cluster.settings import DEFAULT_STATE_DIR, FairserveSettings, load_settings
 from cluster.tenants_cli import add_tenants_parser
 
+if TYPE_CHECKING:
+    from cluster.settings import FairserveSettings
+
 RUN_FILE = "run.json"
-DOWN_TIMEOUT_S = 60.0
+DEFAULT_STATE_DIR = Path(".fairserve")  # as cluster.settings; imported lazily (it loads torch)
+DOWN_TIMEOUT_S = 120.0
 
 
 def _settings(args: argparse.Namespace) -> FairserveSettings:
+    from cluster.settings import load_settings
+
     overrides: dict[str, Any] = {}
 
     def put(branch: str, name: str, value: Any) -> None:
@@ -54,9 +59,10 @@ def _up(args: argparse.Namespace) -> int:
     settings = _settings(args)
     cluster = LocalCluster(settings, progress=lambda line: print(line, flush=True))
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         info = cluster.start()
+        # after start: ray.init installs its own SIGTERM handler
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
         run_file = settings.state_dir / RUN_FILE
         run_file.write_text(json.dumps({"pid": os.getpid(), "base_url": info.base_url,
                                         "redis_url": info.redis_url}))
@@ -106,14 +112,25 @@ def _down(args: argparse.Namespace) -> int:
         return 1
     deadline = time.monotonic() + DOWN_TIMEOUT_S
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _is_running(pid):
             print("stopped")
             return 0
         time.sleep(0.5)
     print(f"fairserve (pid {pid}) did not stop within {DOWN_TIMEOUT_S:.0f} s", file=sys.stderr)
     return 1
+
+
+def _is_running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != "Z"
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from replicas.engine.config import EngineConfig
 from router.config import ApiSettings, QueueSettings
 from router.dispatcher import DispatchSettings
 
-DEFAULT_STATE_DIR = Path(".fairserve")
+DEFAULT_STATE_DIR = Path(".fairserve")  # cluster/cli.py spells it too (it must not import torch)
 _YAML_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("yaml", default=None)
 
 

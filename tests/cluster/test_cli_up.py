@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import openai
@@ -43,6 +44,9 @@ def test_up_prints_a_working_key_and_url_then_status_and_down(tmp_path) -> None:
             if "Ctrl-C" in line:
                 break
         out = "".join(lines)
+        # keep draining its output, or a full pipe would block it (Ray logs as it shuts down)
+        drain = threading.Thread(target=lambda: [lines.append(x) for x in up.stdout], daemon=True)
+        drain.start()
         assert "loading the model" in out and "ready in" in out, out
         base = re.search(r"base URL: (\S+)", out).group(1)
         key = re.search(r"API key:\s+(\S+)", out).group(1)
