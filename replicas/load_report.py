@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
@@ -52,6 +51,3 @@ class LoadReporter:
             await pipe.execute()
         await self.client.aclose()
 
-
-def now_ms() -> int:
-    return int(time.time() * 1000)

@@ -23,10 +23,11 @@ from typing import Any
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.api_keys import Principal
-from router.errors import InvalidRequestError, RateLimitError, RouterError
+from router.errors import InvalidRequestError, OverloadedError, RateLimitError, RouterError
 from router.openai_models import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -288,6 +289,13 @@ def _add_error_handlers(app: FastAPI) -> None:
         if exc.status >= 500:
             logger.error("request failed: %s", exc.message)
         return error_response(exc)
+
+    @app.exception_handler(RedisError)
+    async def _redis_down(_: Request, exc: RedisError) -> JSONResponse:
+        # admission is one script: it ran whole or not at all. If the reply was lost after it
+        # ran, a retry with the same Idempotency-Key joins the admitted request
+        logger.error("Redis unavailable: %s", exc)
+        return error_response(OverloadedError(f"the queue store is unavailable: {exc}"))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

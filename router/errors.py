@@ -108,7 +108,8 @@ class ReplicaFailedError(RouterError):
 
 
 class OverloadedError(RouterError):
-    """The cluster sheds load (no Redis, shutting down); retry after ``retry_after_s``."""
+    """The cluster cannot take requests now (Redis unreachable); retry after
+    ``retry_after_s`` (with the same Idempotency-Key, in case the admission did land)."""
 
     status = 503
     type = "server_error"
