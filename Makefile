@@ -3,13 +3,14 @@
 #   make test    the whole test suite except GPU tests
 #   make bench   the engine benchmark against the transformers baseline
 #   make bench-cluster  the same workload direct and through the cluster's HTTP API
+#   make bench-tracing  the cluster's throughput with tracing at full sampling and without
 
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install up test test-fast bench bench-cluster lint clean
+.PHONY: install up test test-fast bench bench-cluster bench-tracing lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,6 +39,9 @@ bench: $(STAMP)
 
 bench-cluster: $(STAMP)
 	$(PY) -m cluster.bench
+
+bench-tracing: $(STAMP)
+	$(PY) -m cluster.trace_bench
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check router replicas cluster tests

@@ -14,6 +14,10 @@ from a request's start to its first token (through the cluster: the first SSE ch
 carries it; its text may be empty while a character is incomplete). Runs
 alternate direct and cluster, with fresh prompts each run (no prefix-cache help); the table
 shows the median run of each.
+
+Beside them, the latency floor of the cluster's shape (``cluster/serve_floor.py``): the same two
+Ray Serve hops with no work at either end, so the added TTFT splits into what Ray Serve costs on
+this machine and what fairserve adds on top.
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ import argparse
 import asyncio
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import httpx
 import openai
 
+from cluster import serve_floor
 from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.redis_server import free_port
 from cluster.settings import load_settings
@@ -54,7 +61,10 @@ class Run:
 
 
 async def run_cluster(client: openai.AsyncOpenAI, model: str, prompts: list[list[int]],
-                      concurrency: int, num_out: int) -> Run:
+                      concurrency: int, num_out: int,
+                      headers: Callable[[], dict[str, str]] | None = None,
+                      system: str = "cluster") -> Run:
+    """The workload through the HTTP API; ``headers`` makes each request's extra headers."""
     slots = asyncio.Semaphore(concurrency)
     ttft: list[float] = []
 
@@ -65,7 +75,8 @@ async def run_cluster(client: openai.AsyncOpenAI, model: str, prompts: list[list
             tokens = 0
             stream = await client.completions.create(
                 model=model, prompt=ids, max_tokens=num_out, temperature=0, stream=True,
-                stream_options={"include_usage": True}, extra_body={"min_tokens": num_out})
+                stream_options={"include_usage": True}, extra_body={"min_tokens": num_out},
+                extra_headers=headers() if headers else None)
             async for chunk in stream:
                 if first is None and chunk.choices:  # every completions chunk carries tokens
                     first = time.perf_counter()
@@ -76,10 +87,10 @@ async def run_cluster(client: openai.AsyncOpenAI, model: str, prompts: list[list
 
     t0 = time.perf_counter()
     counts = await asyncio.gather(*(one(p) for p in prompts))
-    return Run("cluster", concurrency, time.perf_counter() - t0, sum(counts), ttft)
+    return Run(system, concurrency, time.perf_counter() - t0, sum(counts), ttft)
 
 
-def _median(runs: list[Run]) -> Run:
+def median_run(runs: list[Run]) -> Run:
     return sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
 
 
@@ -97,7 +108,15 @@ def print_table(pairs: list[tuple[Run, Run]]) -> None:
                   f"{r.ttft_ms(0.5):>11.1f} | {r.ttft_ms(0.99):>11.1f} | {added:>17}")
 
 
-async def measure(args: argparse.Namespace, base_url: str, key: str, model: str) -> list[tuple[Run, Run]]:
+def print_floor(floor_s: list[float]) -> None:
+    ordered = sorted(floor_s)
+    print(f"\nRay Serve floor (proxy -> ingress -> streaming handle -> first event, no work at "
+          f"either end, {len(ordered)} requests one at a time): first event p50 "
+          f"{ordered[len(ordered) // 2] * 1e3:.1f} ms, min {ordered[0] * 1e3:.1f} ms")
+
+
+async def measure(args: argparse.Namespace, base_url: str, key: str, model: str
+                  ) -> tuple[list[tuple[Run, Run]], list[float]]:
     config = EngineConfig(num_threads=args.threads, max_num_seqs=max(args.concurrency))
     tokenizer = load_model_source(config.model).tokenizer
     engine = TorchEngine(config)
@@ -108,7 +127,12 @@ async def measure(args: argparse.Namespace, base_url: str, key: str, model: str)
         warm = make_prompts(tokenizer, 2, args.prompt_tokens, seed=0)
         await run_engine(engine, warm, 2, 4)
         await run_cluster(client, model, warm, 2, 4)
-        pairs = []
+        pairs, floor_s = [], []
+        http_root = base_url.removesuffix("/v1")
+        async with httpx.AsyncClient(timeout=60) as http:
+            await serve_floor.first_event_s(http, http_root, 2)  # warm-up
+            for _ in range(args.repeats):
+                floor_s += await serve_floor.first_event_s(http, http_root, args.requests)
         for c in args.concurrency:
             direct_runs, cluster_runs = [], []
             for _ in range(args.repeats):
@@ -122,8 +146,8 @@ async def measure(args: argparse.Namespace, base_url: str, key: str, model: str)
                                                       args.output_tokens))
                 print(f"concurrency {c}: direct {direct_runs[-1].tokens_per_s:.1f} tok/s, "
                       f"cluster {cluster_runs[-1].tokens_per_s:.1f} tok/s", flush=True)
-            pairs.append((_median(direct_runs), _median(cluster_runs)))
-        return pairs
+            pairs.append((median_run(direct_runs), median_run(cluster_runs)))
+        return pairs, floor_s
     finally:
         await client.close()
         await engine.shutdown()
@@ -152,7 +176,8 @@ def main() -> None:
         try:
             info = cluster.start()
             key = add_tenant_with_key(info.redis_url, Tenant(id="bench", max_queued=10_000))
-            pairs = asyncio.run(measure(args, info.base_url, key,
+            serve_floor.deploy()
+            pairs, floor_s = asyncio.run(measure(args, info.base_url, key,
                                         settings.engine.served_model_name))
         finally:
             cluster.stop()
@@ -162,6 +187,7 @@ def main() -> None:
           f"{args.repeats} runs; cluster = HTTP (openai SDK, streaming) -> Ray Serve proxy -> "
           "router -> Redis queue -> dispatcher -> 1 replica")
     print_table(pairs)
+    print_floor(floor_s)
 
 
 if __name__ == "__main__":

@@ -143,6 +143,22 @@ def _status(args: argparse.Namespace) -> int:
     return asyncio.run(print_status(state["base_url"], state["redis_url"]))
 
 
+def _top(args: argparse.Namespace) -> int:
+    from cluster.top import run_top
+
+    redis_url = args.redis_url
+    if redis_url is None:
+        state = _run_state(args.state_dir or DEFAULT_STATE_DIR)
+        if state is None:
+            print("fairserve is not running (no run state); pass --redis-url", file=sys.stderr)
+            return 1
+        redis_url = state["redis_url"]
+    try:
+        return asyncio.run(run_top(redis_url, args.interval, args.once))
+    except KeyboardInterrupt:
+        return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -166,6 +182,14 @@ def main(argv: list[str] | None = None) -> int:
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--state-dir", type=Path, default=None)
         cmd.set_defaults(func=func)
+    top = sub.add_parser("top", help="live view of tenants and replicas")
+    top.add_argument("--state-dir", type=Path, default=None)
+    top.add_argument("--redis-url", default=None, help="the cluster's Redis (default: the one "
+                     "`fairserve up` runs)")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    top.add_argument("--once", action="store_true", help="print one frame (after --interval "
+                     "seconds, to measure rates) and exit")
+    top.set_defaults(func=_top)
     add_tenants_parser(sub)
     args = parser.parse_args(argv)
     try:

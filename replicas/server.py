@@ -25,7 +25,9 @@ from replicas.engine.config import EngineConfig
 from replicas.engine.interface import Chunk, Engine, GenerateRequest
 from replicas.engine.sampling_params import SamplingParams
 from replicas.load_report import LoadReporter
+from replicas.tracing import record_engine_spans
 from router.capacity import ReplicaLoad
+from router.tracing import configure_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ class ModelReplica:
         self.engine: Engine = (engine_factory or TorchEngine)(options.engine)
         await self.engine.start()
         self.replica_id = _replica_id()
+        self.tracing = configure_tracing("fairserve-replica")
         self._num_ongoing = 0
         self._output_marks: list[tuple[float, int]] = []  # (time, output tokens), recent
         self._reporter: LoadReporter | None = None
@@ -75,9 +78,19 @@ class ModelReplica:
             async for chunk in self.engine.generate(request):
                 if chunk.token_ids:
                     self._output_marks.append((time.monotonic(), len(chunk.token_ids)))
-                yield to_wire(chunk)
+                wire = to_wire(chunk)
+                if chunk.finish_reason is not None:
+                    wire["replica_id"] = self.replica_id
+                    self._trace(call.get("trace"), chunk)
+                yield wire
         finally:
             self._num_ongoing -= 1
+
+    def _trace(self, trace_fields: dict[str, str] | None, final: Chunk) -> None:
+        tracer = self.tracing.tracer
+        if tracer is not None and final.timings is not None and final.usage is not None:
+            record_engine_spans(tracer, trace_fields, self.replica_id, final.timings,
+                                final.usage)
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -111,6 +124,7 @@ class ModelReplica:
         while self._num_ongoing and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
         await self.engine.shutdown()
+        self.tracing.shutdown()  # flushes the spans not exported yet
 
 
 def _sampling_args(raw: dict[str, Any]) -> dict[str, Any]:

@@ -22,12 +22,14 @@ from typing import Any
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.api_keys import Principal
 from router.errors import InvalidRequestError, OverloadedError, RateLimitError, RouterError
+from router.metrics import UNKNOWN_TENANT
 from router.openai_models import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -37,8 +39,10 @@ from router.openai_models import (
     ErrorBody,
     ModelList,
 )
+from router.request_observer import PhaseTimes, RequestObserver
 from router.response_events import ChunkData, EndData
 from router.service import RouterService, Submission
+from router.tracing import ServerSpans
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +64,8 @@ def build_api(service: RouterService) -> FastAPI:
     app = FastAPI(title="fairserve", version="0.1.0",
                   description="OpenAI-compatible API of a multi-tenant LLM serving cluster")
     app.add_middleware(BodyLimit, max_bytes=service.api.max_body_bytes)
-    _add_error_handlers(app)
+    app.add_middleware(ServerSpans, tracing=service.tracing)  # outermost: sees every response
+    _add_error_handlers(app, service)
 
     @app.get("/health", summary="liveness")
     async def health() -> dict[str, str]:
@@ -71,6 +76,11 @@ def build_api(service: RouterService) -> FastAPI:
     async def ready() -> JSONResponse:
         state = await service.readiness()
         return JSONResponse(state, status_code=200 if state["ready"] else 503)
+
+    @app.get("/metrics", summary="Prometheus metrics of the whole cluster",
+             response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+    async def metrics() -> Response:
+        return Response(await service.metrics_exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models(authorization: str | None = Header(None)) -> dict[str, Any]:
@@ -88,8 +98,7 @@ def build_api(service: RouterService) -> FastAPI:
         authorization: str | None = Header(None),
         idempotency_key: str | None = Header(None),
     ) -> Any:
-        principal = await service.authenticate(authorization)
-        return await _respond(service, principal, body, idempotency_key)
+        return await _respond(service, body, authorization, idempotency_key)
 
     @app.post("/v1/completions", response_model=Completion, responses={
         **ERROR_RESPONSES, 200: {"description": "a completion, or with stream=true an SSE "
@@ -99,35 +108,49 @@ def build_api(service: RouterService) -> FastAPI:
         authorization: str | None = Header(None),
         idempotency_key: str | None = Header(None),
     ) -> Any:
-        principal = await service.authenticate(authorization)
-        return await _respond(service, principal, body, idempotency_key)
+        return await _respond(service, body, authorization, idempotency_key)
 
     return app
 
 
-async def _respond(service: RouterService, principal: Principal,
-                   body: ChatCompletionRequest | CompletionRequest,
-                   idempotency_key: str | None) -> Any:
-    submission = await service.submit(principal, body, idempotency_key)
+async def _respond(service: RouterService, body: ChatCompletionRequest | CompletionRequest,
+                   authorization: str | None, idempotency_key: str | None) -> Any:
+    observer = RequestObserver(service.metrics, body)
+    try:
+        principal: Principal = await service.authenticate(authorization)
+        observer.tenant = principal.tenant_id
+        submission = await service.submit(principal, body, idempotency_key)
+    except RouterError as exc:
+        observer.refused(exc)
+        raise
+    observer.admitted(submission.tenant_id, submission.request_id, submission.max_tokens)
     shaper = _Shaper(body, submission, service.model.served_model_name)
     if body.stream:
-        return StreamingResponse(_sse(service, submission, shaper), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Fairserve-Request-Id": submission.request_id})
+        return StreamingResponse(_sse(service, submission, shaper, observer),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache",
+                                          "X-Fairserve-Request-Id": submission.request_id})
     try:
         async for item in service.events(submission.tenant_id, submission.request_id):
             if isinstance(item, ChunkData):
+                observer.tokens(item.num_tokens)
                 shaper.add(item)
-            else:
-                _raise_if_failed(item)
-                return JSONResponse(shaper.final(item),
-                                    headers={"X-Fairserve-Request-Id": submission.request_id})
+                continue
+            phases = observer.ended(item)
+            _raise_if_failed(item)
+            total_s = time.perf_counter() - observer.started_s
+            return JSONResponse(shaper.final(item, phases), headers={
+                "X-Fairserve-Request-Id": submission.request_id,
+                "Server-Timing": phases.server_timing(total_s)})
     except asyncio.CancelledError:  # the client went away
+        observer.cancelled()
         await asyncio.shield(service.cancel(submission.tenant_id, submission.request_id))
         raise
     raise RouterError("the response stream ended without its terminal event")
 
 
-async def _sse(service: RouterService, submission: Submission, shaper: _Shaper) -> AsyncIterator[str]:
+async def _sse(service: RouterService, submission: Submission, shaper: _Shaper,
+               observer: RequestObserver) -> AsyncIterator[str]:
     is_ended = False
     try:
         opener = shaper.first_chunk()
@@ -135,11 +158,13 @@ async def _sse(service: RouterService, submission: Submission, shaper: _Shaper) 
             yield _data(opener)
         async for item in service.events(submission.tenant_id, submission.request_id):
             if isinstance(item, ChunkData):
+                observer.tokens(item.num_tokens)
                 yield _data(shaper.delta(item))
                 continue
             is_ended = True
+            phases = observer.ended(item)
             _raise_if_failed(item)
-            for payload in shaper.last_chunks(item):
+            for payload in shaper.last_chunks(item, phases):
                 yield _data(payload)
             yield "data: [DONE]\n\n"
             return
@@ -148,6 +173,7 @@ async def _sse(service: RouterService, submission: Submission, shaper: _Shaper) 
         yield _data(_error_body(exc))
     finally:
         if not is_ended:  # disconnect (or cancellation of this handler)
+            observer.cancelled()
             await asyncio.shield(service.cancel(submission.tenant_id, submission.request_id))
 
 
@@ -218,7 +244,7 @@ class _Shaper:
             choice = {"index": 0, "text": chunk.text, "logprobs": logprobs, "finish_reason": None}
         return self._envelope([choice], True)
 
-    def last_chunks(self, end: EndData) -> list[dict[str, Any]]:
+    def last_chunks(self, end: EndData, phases: PhaseTimes) -> list[dict[str, Any]]:
         finish = end.finish_reason
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
         if self.is_chat:
@@ -228,11 +254,11 @@ class _Shaper:
         chunks = [self._envelope([choice], True)]
         if self.include_usage:
             usage = self._envelope([], True)
-            usage["usage"] = _usage(end)
+            usage["usage"] = _usage(end, phases)
             chunks.append(usage)
         return chunks
 
-    def final(self, end: EndData) -> dict[str, Any]:
+    def final(self, end: EndData, phases: PhaseTimes) -> dict[str, Any]:
         text = "".join(self.texts)
         logprobs = self._logprobs(self.logprobs, 0) if self.wants_logprobs else None
         choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
@@ -240,7 +266,7 @@ class _Shaper:
         choice |= {"message": {"role": "assistant", "content": text}} if self.is_chat \
             else {"text": text}
         out = self._envelope([choice], False)
-        out["usage"] = _usage(end)
+        out["usage"] = _usage(end, phases)
         return out
 
     def _logprobs(self, items: list[Any], offset: int) -> dict[str, Any]:
@@ -259,10 +285,13 @@ class _Shaper:
                 "text_offset": offsets}
 
 
-def _usage(end: EndData) -> dict[str, Any]:
+def _usage(end: EndData, phases: PhaseTimes) -> dict[str, Any]:
+    """OpenAI's usage, plus ``timings_ms``: where the request's time went (queue,
+    engine_queue, prefill, decode), as in the ``Server-Timing`` header."""
     return {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
             "total_tokens": end.prompt_tokens + end.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": end.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": end.cached_tokens},
+            "timings_ms": phases.as_ms()}
 
 
 # ---- errors: the one place they become OpenAI bodies ----
@@ -283,7 +312,7 @@ def error_response(exc: RouterError) -> JSONResponse:
     return JSONResponse(_error_body(exc), status_code=exc.status, headers=headers)
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def _add_error_handlers(app: FastAPI, service: RouterService) -> None:
     @app.exception_handler(RouterError)
     async def _router_error(_: Request, exc: RouterError) -> JSONResponse:
         if exc.status >= 500:
@@ -300,6 +329,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = describe_validation_error(exc.errors())
+        service.metrics.inc("fairserve_requests", (UNKNOWN_TENANT, "refused", "invalid_request_error"))
         return JSONResponse(_error_body(InvalidRequestError(message, param)), status_code=400)
 
 

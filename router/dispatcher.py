@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from opentelemetry.trace import Span, Status, StatusCode
 from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 
@@ -42,6 +43,17 @@ from router.messages import Grant, Lease, RequestState
 from router.prompt_tokenizer import PromptTokenizer
 from router.queues import TenantQueues
 from router.streams import AppendBatcher, ResponseStreams
+from router.tracing import (
+    OFF,
+    QueueFacts,
+    Tracing,
+    carrier,
+    context_of,
+    decode_meta,
+    now_ns,
+    record_queue_span,
+    start_dispatch_span,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +91,9 @@ class ReplicaPool(Protocol):
 @dataclass(slots=True)
 class _Running:
     grant: Grant
+    granted_ns: int
+    admitted_ns: int
+    span: Span | None = None
     stream: ReplicaStream | None = None
     is_cancel_requested: bool = False
     num_output_tokens: int = 0
@@ -86,12 +101,13 @@ class _Running:
 
 
 class Dispatcher:
-    def __init__(self, queues: TenantQueues, streams: ResponseStreams, replicas: ReplicaPool,
-                 tokenizer: PromptTokenizer, holder: str,
-                 settings: DispatchSettings | None = None) -> None:
+    def __init__(self, queues: TenantQueues, replicas: ReplicaPool, tokenizer: PromptTokenizer,
+                 holder: str, settings: DispatchSettings | None = None,
+                 tracing: Tracing = OFF) -> None:
         self.queues = queues
-        self.streams = streams
-        self.appends = AppendBatcher(streams)
+        self.streams = ResponseStreams(queues.scripts)
+        self.appends = AppendBatcher(self.streams)
+        self.tracing = tracing
         self.replicas = replicas
         self.tokenizer = tokenizer
         self.holder = holder
@@ -132,8 +148,10 @@ class Dispatcher:
         if slots <= 0:
             return
         batch = await self.queues.grant(self.holder, slots, capacity=slots)
+        granted_ns = now_ns()
         for grant in batch.grants:
-            task = asyncio.create_task(self._serve(grant), name=f"dispatch {grant.request_id}")
+            task = asyncio.create_task(self._serve(grant, granted_ns),
+                                       name=f"dispatch {grant.request_id}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         if len(batch.grants) >= self.queues.settings.max_grants_per_call:
@@ -162,22 +180,29 @@ class Dispatcher:
 
     # ---- one request ----
 
-    async def _serve(self, grant: Grant) -> None:
-        running = _Running(grant, prompt_tokens=grant.prompt_tokens)
+    async def _serve(self, grant: Grant, granted_ns: int) -> None:
+        meta = decode_meta(grant.meta)
+        admitted_ns = int(meta.get("admitted_ns") or grant.created_ms * 1_000_000)
+        running = _Running(grant, granted_ns, admitted_ns, prompt_tokens=grant.prompt_tokens)
+        running.span = self._start_spans(running, meta)
         self._running[grant.request_id] = running
         renewer = asyncio.create_task(self._renew(running))
         try:
             await self._run_on_replica(running)
         except LeaseLostError as exc:
             logger.warning("dropped %s: %s", grant.request_id, exc.message)
+            _end_span(running, "lease_lost", is_error=True)
         except asyncio.CancelledError:  # this router is shutting down: hand the request back
             with contextlib.suppress(RouterError, RedisError, OSError):
                 await asyncio.shield(self.queues.requeue(grant.lease, "router shutdown"))
+            _end_span(running, "requeued")
             raise
         except (RedisError, OSError) as exc:
             logger.error("lost Redis while serving %s: %s (the reaper will requeue it)",
                          grant.request_id, exc)
+            _end_span(running, "redis_lost", is_error=True)
         finally:
+            _end_span(running, "ended")
             renewer.cancel()
             if running.stream is not None:
                 running.stream.cancel()
@@ -190,6 +215,8 @@ class Dispatcher:
         body = json.loads(grant.body)
         call = {"request_id": f"{grant.request_id}.{lease.attempt}",
                 "prompt_token_ids": body["prompt_token_ids"], "sampling": body["sampling"]}
+        if running.span is not None:
+            call["trace"] = carrier(running.span)
         want_logprobs = bool(body["sampling"].get("logprobs"))
         try:
             running.stream = self.replicas.generate(call)
@@ -203,6 +230,7 @@ class Dispatcher:
                 state = await self.queues.requeue(lease, exc.message)
                 logger.warning("replica unavailable for %s: %s; %s", grant.request_id,
                                exc.message, state.value)
+                _end_span(running, "requeued")
                 return
             await self._fail(running, exc)
             return
@@ -210,6 +238,7 @@ class Dispatcher:
             await self._fail(running, exc)
             return
         await self._end_cancelled(running)
+        _end_span(running, "cancelled")
 
     async def _relay(self, running: _Running, wire: dict[str, Any], want_logprobs: bool) -> bool:
         """Append one chunk; True when it was the final one and the request is completed."""
@@ -227,14 +256,19 @@ class Dispatcher:
         if wire.get("finish_reason") is None:
             return False
         usage = wire["usage"]
+        timings = {**(wire.get("timings") or {}), "admitted_s": running.admitted_ns / 1e9,
+                   "granted_s": running.granted_ns / 1e9}
         final = response_events.end_data(wire["finish_reason"], usage["prompt_tokens"],
                                          usage["completion_tokens"], usage["cached_tokens"],
-                                         wire.get("timings"))
+                                         timings)
         outcome = (RequestState.CANCELLED if wire["finish_reason"] == "abort"
                    else RequestState.COMPLETED)
         await self.queues.complete(running.grant.lease, usage["prompt_tokens"],
                                    usage["completion_tokens"], wire["finish_reason"], final,
                                    outcome)
+        if running.span is not None:
+            running.span.set_attribute("fairserve.replica.id", str(wire.get("replica_id", "")))
+            _end_span(running, outcome.value)
         return True
 
     async def _end_cancelled(self, running: _Running) -> None:
@@ -245,9 +279,23 @@ class Dispatcher:
 
     async def _fail(self, running: _Running, error: RouterError) -> None:
         logger.error("request %s failed: %s", running.grant.request_id, error.message)
+        _end_span(running, "failed", is_error=True)
         used = running.num_output_tokens
         await self.queues.complete(running.grant.lease, running.prompt_tokens, used, "error",
                                    response_events.error_data(error, running.prompt_tokens, used))
+
+    def _start_spans(self, running: _Running, meta: dict[str, Any]) -> Span | None:
+        tracer = self.tracing.tracer
+        if tracer is None:
+            return None
+        grant = running.grant
+        parent = context_of(meta)
+        if grant.lease.attempt == 1:
+            facts = QueueFacts(grant.tenant_id, grant.priority, grant.admit_depth,
+                               grant.prompt_tokens + grant.max_tokens)
+            record_queue_span(tracer, parent, facts, running.admitted_ns, running.granted_ns)
+        return start_dispatch_span(tracer, parent, grant.request_id, self.holder,
+                                   grant.lease.attempt, running.granted_ns)
 
     async def _renew(self, running: _Running) -> None:
         lease: Lease = running.grant.lease
@@ -264,6 +312,17 @@ class Dispatcher:
                 continue
             if status.is_cancel_requested:
                 self.abort_local(lease.request_id)
+
+
+def _end_span(running: _Running, outcome: str, is_error: bool = False) -> None:
+    """End the dispatch span once, with how the delivery ended."""
+    span, running.span = running.span, None
+    if span is None:
+        return
+    span.set_attribute("fairserve.outcome", outcome)
+    if is_error:
+        span.set_status(Status(StatusCode.ERROR, outcome))
+    span.end()
 
 
 def _logprobs(tokenizer: PromptTokenizer, raw: list[Any] | None) -> list[Any] | None:

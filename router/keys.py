@@ -68,6 +68,8 @@ _TEMPLATES: dict[str, str] = {
     "replicas": PREFIX + ":{sched}:replicas",
     "replica": PREFIX + ":{sched}:replica:%s",
     "wake": PREFIX + ":{sched}:wake",
+    "metrics_routers": PREFIX + ":{sched}:metrics",
+    "router_metrics": PREFIX + ":{sched}:metrics:%s",
 }
 
 # What every script is compiled with: the templates, and the TTLs and limits it applies.
@@ -171,6 +173,16 @@ def replica(replica_id: str) -> str:
 
 def wake_channel() -> str:
     return _TEMPLATES["wake"]
+
+
+def metrics_routers() -> str:
+    """SET of the routers that publish metrics snapshots."""
+    return _TEMPLATES["metrics_routers"]
+
+
+def router_metrics(holder: str) -> str:
+    """One router's metrics snapshot (JSON, expires after ``router.metrics.SNAPSHOT_TTL_S``)."""
+    return _TEMPLATES["router_metrics"] % holder
 
 
 def lease_member(tenant_id: str, request_id: str) -> str:

@@ -63,6 +63,8 @@ class Grant:
     max_tokens: int
     created_ms: int
     grant_seq: int  # position in the global order of grants
+    priority: int = 0
+    admit_depth: int = 0  # the tenant's queue length right after this request joined it
 
     @property
     def tenant_id(self) -> str:
@@ -122,3 +124,12 @@ class StreamEvent:
     @property
     def is_terminal(self) -> bool:
         return self.type in ("end", "error")
+
+
+@dataclass(frozen=True, slots=True)
+class TenantBacklog:
+    tenant_id: str
+    priority: int
+    num_queued: int
+    queued_tokens: int  # fair-share cost of the queued requests: prompt + expected output
+    num_leased: int

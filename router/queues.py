@@ -62,6 +62,7 @@ from router.messages import (
     ReapResult,
     RequestRecord,
     RequestState,
+    TenantBacklog,
 )
 from router.scripts import Script, Scripts
 
@@ -216,6 +217,12 @@ class TenantQueues:
     async def num_leased(self) -> int:
         return int(await self.client.zcard(keys.leases()))
 
+    async def backlog(self) -> list[TenantBacklog]:
+        """Per tenant: queued requests and their token cost, and leased (running) requests."""
+        rows = await self.scripts.run(Script.BACKLOG)
+        return [TenantBacklog(r[0].decode(), int(r[1]), int(r[2]), int(r[3]), int(r[4]))
+                for r in rows]
+
 
 def _lease_args(lease: Lease) -> tuple[str, str, str, str]:
     return (keys.check_tenant_id(lease.tenant_id), keys.check_request_id(lease.request_id),
@@ -273,6 +280,8 @@ def _grant(holder: str, g: list[Any]) -> Grant:
         max_tokens=int(g[7]),
         created_ms=int(g[8]),
         grant_seq=int(g[9]),
+        priority=int(g[10]),
+        admit_depth=int(g[11]),
     )
 
 

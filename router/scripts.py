@@ -35,6 +35,7 @@ class Script(enum.StrEnum):
     TENANT_PUT = "tenant_put"
     KEY_CREATE = "key_create"
     KEY_REVOKE = "key_revoke"
+    BACKLOG = "backlog"
 
 
 def _lua_constants() -> str:

@@ -31,7 +31,8 @@ from router.dispatcher import DispatchSettings
 from router.errors import ReplicaFailedError, ReplicaUnavailableError
 from router.prompt_tokenizer import ModelInfo
 from router.redis_client import connect
-from router.service import RouterService
+from router.service import RouterOptions, RouterService
+from router.tracing import configure_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +86,9 @@ class RouterServer:
             holder = f"router-{uuid.uuid4().hex[:12]}"
         client = connect(redis_url, max_connections=REDIS_POOL_SIZE, socket_timeout=10,
                          health_check_interval=30)
-        self.service = RouterService(client, model, ServeReplicaPool(replicas), holder, api,
-                                     queues, dispatch)
+        tracing = configure_tracing("fairserve-router")
+        self.service = RouterService(client, model, ServeReplicaPool(replicas), holder,
+                                     RouterOptions(api, queues, dispatch, tracing))
         await self.service.start()
         logger.info("router %s ready", holder)
 
@@ -95,3 +97,4 @@ class RouterServer:
 
     async def __del__(self) -> None:
         await self.service.stop()
+        self.service.tracing.shutdown()  # flushes the spans not exported yet

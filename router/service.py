@@ -16,8 +16,8 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -28,12 +28,13 @@ from router.config import ApiSettings, QueueSettings
 from router.dispatcher import Dispatcher, DispatchSettings, ReplicaPool
 from router.errors import InvalidRequestError, NotFoundError
 from router.messages import AdmitRequest, CancelOutcome, RequestState
+from router.metrics import SNAPSHOT_S, SNAPSHOT_TTL_S, ClusterState, MetricsStore, exposition
 from router.openai_models import ChatCompletionRequest, CompletionRequest
 from router.prompt_tokenizer import ModelInfo, PromptTokenizer
 from router.queues import TenantQueues
 from router.scripts import Scripts
 from router.stream_mux import StreamMux
-from router.streams import ResponseStreams
+from router.tracing import OFF, Tracing, carrier, encode_meta, now_ns
 
 logger = logging.getLogger(__name__)
 
@@ -53,28 +54,38 @@ class Submission:
     queue_depth: int | None
 
 
+@dataclass(frozen=True, slots=True)
+class RouterOptions:
+    api: ApiSettings = field(default_factory=ApiSettings)
+    queues: QueueSettings = field(default_factory=QueueSettings)
+    dispatch: DispatchSettings = field(default_factory=DispatchSettings)
+    tracing: Tracing = OFF
+
+
 class RouterService:
     def __init__(self, client: aioredis.Redis, model: ModelInfo, replicas: ReplicaPool,
-                 holder: str, api: ApiSettings | None = None,
-                 queue_settings: QueueSettings | None = None,
-                 dispatch: DispatchSettings | None = None) -> None:
+                 holder: str, options: RouterOptions | None = None) -> None:
+        options = options or RouterOptions()
         self.client = client
         self.model = model
-        self.api = api or ApiSettings()
+        self.api = options.api
+        self.tracing = options.tracing
         self.tokenizer = PromptTokenizer(model)
         scripts = Scripts(client)
         self.api_keys = ApiKeys(scripts)
-        self.queues = TenantQueues(scripts, queue_settings)
-        self.streams = ResponseStreams(scripts)
+        self.queues = TenantQueues(scripts, options.queues)
         self.mux = StreamMux(client)
-        self.dispatcher = Dispatcher(self.queues, self.streams, replicas, self.tokenizer, holder,
-                                     dispatch)
+        self.dispatcher = Dispatcher(self.queues, replicas, self.tokenizer, holder,
+                                     options.dispatch, options.tracing)
+        self.holder = holder
+        self.metrics = MetricsStore()
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         self.mux.start()
         self._tasks = [asyncio.create_task(self.dispatcher.run(), name="dispatcher"),
-                       asyncio.create_task(self._listen_for_wakes(), name="wake listener")]
+                       asyncio.create_task(self._listen_for_wakes(), name="wake listener"),
+                       asyncio.create_task(self._publish_metrics(), name="metrics")]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -102,8 +113,10 @@ class RouterService:
         body = json.dumps({"prompt_token_ids": prompt_ids,
                            "sampling": _sampling(request, max_tokens)})
         request_id = _request_id(principal.tenant_id, request, idempotency_key)
+        trace_fields = carrier() if self.tracing.is_on else {}
+        meta = encode_meta(trace_fields, now_ns())
         admission = await self.queues.admit(AdmitRequest(
-            principal.tenant_id, request_id, len(prompt_ids), max_tokens, body))
+            principal.tenant_id, request_id, len(prompt_ids), max_tokens, body, meta))
         if not admission.is_duplicate:
             self.dispatcher.wake()
             await self.client.publish(keys.wake_channel(), b"1")
@@ -179,6 +192,31 @@ class RouterService:
         ready = bool(loads) or self.api.allow_scale_from_zero
         return {"ready": ready, "redis": "ok", "replicas": len(loads),
                 "slots": sum(load.max_ongoing for load in loads)}
+
+    # ---- metrics ----
+
+    async def metrics_exposition(self) -> bytes:
+        """``/metrics``: every live router's counts added up, and the cluster's state."""
+        members = cast(set[bytes], await self.client.smembers(keys.metrics_routers()))
+        routers = [h for h in (m.decode() for m in members) if h != self.holder]
+        snapshots = await self.client.mget([keys.router_metrics(h) for h in routers]) \
+            if routers else []
+        gone = [h for h, raw in zip(routers, snapshots, strict=True) if raw is None]
+        if gone:
+            await self.client.srem(keys.metrics_routers(), *gone)
+        merged = self.metrics.merged([raw for raw in snapshots if raw is not None])
+        state = ClusterState(await self.queues.backlog(), await self.dispatcher.capacity.loads())
+        return exposition(merged, state)
+
+    async def _publish_metrics(self) -> None:
+        while True:
+            try:
+                await self.client.set(keys.router_metrics(self.holder), self.metrics.to_json(),
+                                      ex=SNAPSHOT_TTL_S)
+                await self.client.sadd(keys.metrics_routers(), self.holder)
+            except (RedisError, OSError) as exc:
+                logger.warning("publishing metrics failed: %s", exc)
+            await asyncio.sleep(SNAPSHOT_S)
 
     async def _listen_for_wakes(self) -> None:
         while True:

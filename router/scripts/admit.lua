@@ -82,6 +82,7 @@ redis.call('HSET', rk, 'tenant', t, 'id', rid, 'state', 'queued', 'body', body, 
            'cost', prompt + expected, 'reserved', reserved, 'day', day, 'priority', tenant.priority,
            'created_ms', now, 'deliveries', 0, 'cancel', 0)
 local depth = redis.call('RPUSH', key('queue', t), rid)
+redis.call('HSET', rk, 'admit_depth', depth)
 mark_ready(t, tenant.priority)
 stat(t, 'admitted')
 return {'admitted', depth}

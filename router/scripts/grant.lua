@@ -8,7 +8,8 @@
 --   cluster's total capacity in slots or "" (given: never more leases live than that, however
 --   many dispatchers call at once; the live leases are counted in this same atomic call).
 -- Returns {grants, warnings}: grants is a list of {tenant, id, attempt, lease deadline ms,
---   body, meta, prompt tokens, max_tokens, created ms, grant sequence number}; warnings names
+--   body, meta, prompt tokens, max_tokens, created ms, grant sequence number, priority class,
+--   the tenant's queue depth right after its admission}; warnings names
 --   stored data the script had to skip or read leniently ("<key> <field>").
 local holder, lease_ms = ARGV[2], tonumber(ARGV[3])
 local wanted = math.min(tonumber(ARGV[4]), tonumber(ARGV[5]))
@@ -50,7 +51,7 @@ end
 local function grant_one(t, class, start, rid)
   local rk = key('request', t, rid)
   local r = redis.call('HMGET', rk, 'state', 'cost', 'body', 'meta', 'prompt_tokens',
-                       'max_tokens', 'created_ms', 'deliveries')
+                       'max_tokens', 'created_ms', 'deliveries', 'admit_depth')
   local cost = tonumber(r[2])
   if r[1] ~= 'queued' or cost == nil then return skip_malformed(t, rid, rk, r[1]) end
   vtimes[class] = math.max(vtimes[class] or vtime(class), start)
@@ -62,7 +63,8 @@ local function grant_one(t, class, start, rid)
              'granted_ms', now_s, 'grant_seq', seq, 'deliveries', attempt)
   redis.call('ZADD', K.leases, deadline_s, t .. ' ' .. rid)
   count(counts, t, 'granted')
-  grants[#grants + 1] = {t, rid, attempt, deadline, r[3], r[4], r[5], r[6], r[7], seq}
+  grants[#grants + 1] = {t, rid, attempt, deadline, r[3], r[4], r[5], r[6], r[7], seq,
+                         class, tonumber(r[9]) or 0}
   return finish
 end
 
