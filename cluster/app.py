@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any
 
 from ray import serve
 from ray.serve import Application
 
+from cluster.autoscaling import AutoscaleSettings, BacklogPolicy
 from cluster.settings import FairserveSettings
 from replicas.server import EngineFactory, ModelReplica, ReplicaOptions
 from router.prompt_tokenizer import ModelInfo
@@ -33,10 +35,12 @@ def build_app(settings: FairserveSettings, model: ModelInfo, redis_url: str,
         report_interval_s=r.report_interval_s,
         drain_timeout_s=r.graceful_shutdown_timeout_s,
     )
+    scaling: dict[str, Any] = {"num_replicas": r.num_replicas} if r.autoscaling is None else {
+        "autoscaling_config": autoscaling_config(r.autoscaling, redis_url)}
     replica = serve.deployment(
         ModelReplica,
         name=REPLICA_DEPLOYMENT,
-        num_replicas=r.num_replicas,
+        **scaling,
         max_ongoing_requests=r.max_ongoing_requests,
         ray_actor_options={"num_cpus": r.num_cpus, "num_gpus": r.num_gpus,
                            "runtime_env": otel_runtime_env()},
@@ -46,15 +50,31 @@ def build_app(settings: FairserveSettings, model: ModelInfo, redis_url: str,
         graceful_shutdown_timeout_s=r.graceful_shutdown_timeout_s + 5,
     ).bind(options, engine_factory)  # type: ignore[attr-defined]
     ro = settings.router
+    api = ro.api
+    if r.autoscaling is not None and r.autoscaling.allow_scale_to_zero:
+        api = api.model_copy(update={"allow_scale_from_zero": True})
     router = serve.deployment(
         RouterServer,
         name=ROUTER_DEPLOYMENT,
         num_replicas=ro.num_replicas,
         max_ongoing_requests=ro.max_ongoing_requests,
         ray_actor_options={"num_cpus": ro.num_cpus, "runtime_env": otel_runtime_env()},
-    ).bind(replica, model, redis_url, ro.api, settings.queues,  # type: ignore[attr-defined]
+    ).bind(replica, model, redis_url, api, settings.queues,  # type: ignore[attr-defined]
            ro.dispatch)
     return router
+
+
+def autoscaling_config(a: AutoscaleSettings, redis_url: str) -> dict[str, Any]:
+    """Ray Serve's autoscaling config running ``BacklogPolicy``; Ray's own delays are zero
+    because the policy applies ours (``cluster/autoscaling.py``)."""
+    return {
+        "min_replicas": a.floor, "max_replicas": a.max_replicas,
+        "initial_replicas": max(a.floor, 1) if a.floor else 0,
+        "upscale_delay_s": 0.0, "downscale_delay_s": 0.0, "downscale_to_zero_delay_s": 0.0,
+        "metrics_interval_s": a.metrics_interval_s, "look_back_period_s": 2 * a.metrics_interval_s,
+        "policy": {"policy_function": f"{BacklogPolicy.__module__}:{BacklogPolicy.__name__}",
+                   "policy_kwargs": {"redis_url": redis_url, "settings": a.model_dump()}},
+    }
 
 
 def otel_runtime_env(env: Mapping[str, str] = os.environ) -> dict[str, dict[str, str]]:

@@ -65,8 +65,12 @@ class LocalCluster:
         model = describe_model(s.engine)
         self._start_ray()
         serve.start(http_options={"host": s.router.host, "port": s.router.port})
-        self.progress(f"deploying {s.replicas.num_replicas} replica(s) and "
-                      f"{s.router.num_replicas} router(s); loading the model ...")
+        scaling = s.replicas.autoscaling
+        replicas = (f"{s.replicas.num_replicas} replica(s)" if scaling is None else
+                    f"{max(scaling.floor, 1) if scaling.floor else 0} replica(s) (autoscaling "
+                    f"{scaling.floor}-{scaling.max_replicas})")
+        self.progress(f"deploying {replicas} and {s.router.num_replicas} router(s); "
+                      "loading the model ...")
         app = build_app(s, model, redis_url, self.engine_factory)
         watcher = _StatusWatcher(s.app_name, self.progress)
         watcher.start()
@@ -76,8 +80,8 @@ class LocalCluster:
             watcher.stop()
         host = "127.0.0.1" if s.router.host in ("0.0.0.0", "::") else s.router.host
         base = f"http://{host}:{s.router.port}"
-        if s.replicas.num_replicas > 0:
-            _wait_ready(base, READY_TIMEOUT_S)
+        if s.replicas.num_replicas > 0 or scaling is not None:
+            _wait_ready(base, READY_TIMEOUT_S)  # at zero replicas ready means scale-from-zero
         self.progress(f"ready in {time.perf_counter() - started:.1f} s")
         self.info = ClusterInfo(f"{base}/v1", redis_url, demo_key)
         return self.info

@@ -21,6 +21,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from cluster.autoscaling import AutoscaleSettings
 from cluster.redis_server import AppendFsync
 from replicas.engine.config import EngineConfig
 from router.config import ApiSettings, QueueSettings
@@ -35,7 +36,11 @@ class _Branch(BaseModel):
 
 
 class ReplicaSettings(_Branch):
-    num_replicas: int = Field(1, ge=0, le=1024, description="model replicas (fixed count)")
+    num_replicas: int = Field(1, ge=0, le=1024,
+                              description="model replicas (a fixed count, without autoscaling)")
+    autoscaling: AutoscaleSettings | None = Field(
+        None, description="scale the replicas on the Redis backlog (cluster/autoscaling.py); "
+        "none: num_replicas, fixed")
     num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each replica")
     num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each replica")
     max_ongoing_requests: int = Field(

@@ -9,6 +9,7 @@ from typing import Any
 
 from router import keys
 from router.capacity import read_loads
+from router.metrics import autoscaler_state
 from router.redis_client import connect
 from router.scripts import Scripts
 from router.tenants import TenantStore
@@ -38,6 +39,14 @@ async def print_status(base_url: str, redis_url: str) -> int:
             print(f"  {load.replica_id:<14}{load.max_ongoing:>6}{load.ongoing:>8}"
                   f"{load.num_running:>8}{load.num_waiting:>8}"
                   f"{used:>4}/{load.num_total_kv_blocks:<4}{load.output_tokens_per_s:>8.1f}")
+        decision, counts = await autoscaler_state(client)
+        if decision is not None:
+            print(f"autoscaler: target {decision['decision_replicas']} replicas "
+                  f"({decision['decision_reason']}); queued {decision['queued_tokens']} tokens "
+                  f"in {decision['queued_requests']} requests, in flight "
+                  f"{decision['in_flight_tokens']:.0f} tokens, "
+                  f"{decision['decision_tokens_per_s']:.1f} tokens/s per replica; decisions "
+                  + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
         tenants = await TenantStore(Scripts(client)).all()
         leased = await client.zcard(keys.leases())
         print(f"\ntenants: {len(tenants)}   running (leased): {leased}")

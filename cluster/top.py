@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from rich.console import Console, Group
@@ -23,7 +23,7 @@ from rich.table import Table
 from router import keys
 from router.capacity import ReplicaLoad, read_loads
 from router.messages import TenantBacklog
-from router.metrics import SPECS, MetricsStore
+from router.metrics import SPECS, MetricsStore, autoscaler_state
 from router.queues import TenantQueues
 from router.redis_client import connect
 from router.scripts import Scripts
@@ -37,6 +37,7 @@ class Frame:
     backlog: list[TenantBacklog]
     replicas: list[ReplicaLoad]
     metrics: MetricsStore
+    autoscaler: dict[str, Any] | None = None
 
 
 async def read_frame(client: aioredis.Redis) -> Frame:
@@ -45,7 +46,8 @@ async def read_frame(client: aioredis.Redis) -> Frame:
     raws = await client.mget([keys.router_metrics(h) for h in holders]) if holders else []
     metrics = MetricsStore().merged([raw for raw in raws if raw is not None])
     backlog = await TenantQueues(Scripts(client)).backlog()
-    return Frame(time.monotonic(), backlog, await read_loads(client), metrics)
+    decision, _ = await autoscaler_state(client)
+    return Frame(time.monotonic(), backlog, await read_loads(client), metrics, decision)
 
 
 def quantile(q: float, bounds: tuple[float, ...], counts: list[int]) -> float | None:
@@ -93,7 +95,11 @@ def render(now: Frame, then: Frame) -> Group:
             counts = _grown(now.metrics, then.metrics, name, b.tenant_id)
             cells += [_ms(quantile(0.5, bounds, counts)), _ms(quantile(0.99, bounds, counts))]
         tenants.add_row(*cells)
-    replicas = Table(title=f"replicas: {len(now.replicas)}", title_justify="left", expand=True)
+    title = f"replicas: {len(now.replicas)}"
+    if now.autoscaler is not None:
+        title += (f"   autoscaler target {now.autoscaler.get('decision_replicas')} "
+                  f"({now.autoscaler.get('decision_reason')})")
+    replicas = Table(title=title, title_justify="left", expand=True)
     for column in ("replica", "slots", "ongoing", "running", "waiting", "KV used", "out tok/s"):
         replicas.add_column(column, justify="left" if column == "replica" else "right")
     for r in sorted(now.replicas, key=lambda x: x.replica_id):

@@ -32,6 +32,8 @@ from router.tracing import configure_tracing
 logger = logging.getLogger(__name__)
 
 THROUGHPUT_WINDOW_S = 10.0
+AUTOSCALE_WINDOW_S = 5.0  # tokens/s for the autoscaler: over the last 5 s of work
+AUTOSCALE_MIN_SPAN_S = 1.0
 DRAIN_POLL_S = 0.1
 
 
@@ -57,6 +59,8 @@ class ModelReplica:
         self.tracing = configure_tracing("fairserve-replica")
         self._num_ongoing = 0
         self._output_marks: list[tuple[float, int]] = []  # (time, output tokens), recent
+        self._token_marks: list[tuple[float, int]] = []  # (time, prompt + output tokens)
+        self._remaining: dict[str, int] = {}  # request id -> tokens still to process
         self._reporter: LoadReporter | None = None
         self._report_task: asyncio.Task[None] | None = None
         if options.redis_url:
@@ -74,10 +78,18 @@ class ModelReplica:
             arrival_time_s=time.time(),
         )
         self._num_ongoing += 1
+        num_prompt = len(request.prompt_token_ids or ())
+        self._remaining[request.request_id] = num_prompt + request.sampling.max_tokens
+        is_prefilled = False
         try:
             async for chunk in self.engine.generate(request):
                 if chunk.token_ids:
-                    self._output_marks.append((time.monotonic(), len(chunk.token_ids)))
+                    now = time.monotonic()
+                    self._output_marks.append((now, len(chunk.token_ids)))
+                    done = len(chunk.token_ids) + (0 if is_prefilled else num_prompt)
+                    is_prefilled = True
+                    self._token_marks.append((now, done))
+                    self._remaining[request.request_id] -= done
                 wire = to_wire(chunk)
                 if chunk.finish_reason is not None:
                     wire["replica_id"] = self.replica_id
@@ -85,6 +97,7 @@ class ModelReplica:
                 yield wire
         finally:
             self._num_ongoing -= 1
+            self._remaining.pop(request.request_id, None)
 
     def _trace(self, trace_fields: dict[str, str] | None, final: Chunk) -> None:
         tracer = self.tracing.tracer
@@ -108,6 +121,17 @@ class ModelReplica:
             output_tokens_per_s=self._throughput(),
             reported_ms=int(time.time() * 1000),
         )
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """For the autoscaling policy (``cluster/autoscaling.py``): the tokens this replica
+        still has to process for its running requests (prompts not yet prefilled, output up to
+        ``max_tokens``), and the tokens it processed per second over the last window."""
+        horizon = time.monotonic() - AUTOSCALE_WINDOW_S
+        self._token_marks = [m for m in self._token_marks if m[0] >= horizon]
+        marks = self._token_marks
+        span_s = max(AUTOSCALE_MIN_SPAN_S, time.monotonic() - marks[0][0]) if marks else 1.0
+        return {"inflight_tokens": float(max(0, sum(self._remaining.values()))),
+                "tokens_per_s": sum(n for _, n in marks) / span_s if marks else 0.0}
 
     def _throughput(self) -> float:
         horizon = time.monotonic() - THROUGHPUT_WINDOW_S

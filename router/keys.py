@@ -69,6 +69,8 @@ _TEMPLATES: dict[str, str] = {
     "replica": PREFIX + ":{sched}:replica:%s",
     "wake": PREFIX + ":{sched}:wake",
     "metrics_routers": PREFIX + ":{sched}:metrics",
+    "autoscaler": PREFIX + ":{sched}:autoscaler",
+    "autoscaler_decisions": PREFIX + ":{sched}:autoscaler:decisions",
     "router_metrics": PREFIX + ":{sched}:metrics:%s",
 }
 
@@ -173,6 +175,16 @@ def replica(replica_id: str) -> str:
 
 def wake_channel() -> str:
     return _TEMPLATES["wake"]
+
+
+def autoscaler() -> str:
+    """The autoscaler's last decision with its inputs (JSON, expires)."""
+    return _TEMPLATES["autoscaler"]
+
+
+def autoscaler_decisions() -> str:
+    """HASH: the autoscaler's decisions counted by direction (up, down, hold)."""
+    return _TEMPLATES["autoscaler_decisions"]
 
 
 def metrics_routers() -> str:

@@ -30,6 +30,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from router import keys
 from router.capacity import ReplicaLoad
 from router.messages import TenantBacklog
 
@@ -167,6 +168,8 @@ def _bound(value: float) -> str:
 class ClusterState:
     backlog: list[TenantBacklog]
     replicas: list[ReplicaLoad]
+    autoscaler: dict[str, Any] | None = None  # its last decision with inputs (cluster/autoscaling)
+    scaling_decisions: dict[str, int] = field(default_factory=dict)  # by direction
 
 
 def cluster_families(state: ClusterState) -> Iterator[Metric]:
@@ -203,6 +206,36 @@ def cluster_families(state: ClusterState) -> Iterator[Metric]:
     for load in state.replicas:
         used.add_metric([load.replica_id], load.num_total_kv_blocks - load.num_free_kv_blocks)
     yield used
+    yield from _autoscaler_families(state)
+
+
+_AUTOSCALER_GAUGES = {
+    "fairserve_autoscaler_target_replicas": ("replicas the autoscaler asks for", "decision_replicas"),
+    "fairserve_autoscaler_desired_replicas": ("replicas the backlog wants, before the delays",
+                                              "decision_desired"),
+    "fairserve_autoscaler_queued_tokens": ("queued tokens the last decision saw", "queued_tokens"),
+    "fairserve_autoscaler_inflight_tokens": ("tokens the replicas still had to process",
+                                             "in_flight_tokens"),
+    "fairserve_autoscaler_tokens_per_second_per_replica": ("throughput estimate per replica",
+                                                           "decision_tokens_per_s"),
+    "fairserve_autoscaler_drain_seconds": ("estimated drain time at the current target",
+                                           "decision_drain_s"),
+}
+
+
+def _autoscaler_families(state: ClusterState) -> Iterator[Metric]:
+    decisions = CounterMetricFamily("fairserve_autoscaler_decisions",
+                                    "autoscaling decisions by direction (up, down, hold)",
+                                    labels=("direction",))
+    for direction, count in sorted(state.scaling_decisions.items()):
+        decisions.add_metric([direction], count)
+    yield decisions
+    if state.autoscaler is None:
+        return
+    for name, (text, key) in _AUTOSCALER_GAUGES.items():
+        value = state.autoscaler.get(key)
+        if isinstance(value, int | float):
+            yield GaugeMetricFamily(name, text, value=float(value))
 
 
 class _Families:
@@ -218,3 +251,15 @@ def exposition(store: MetricsStore, state: ClusterState) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families([*store.families(), *cluster_families(state)]))
     return generate_latest(registry)
+
+
+async def autoscaler_state(client: Any) -> tuple[dict[str, Any] | None, dict[str, int]]:
+    """The autoscaler's last decision and its decision counts, as it wrote them to Redis."""
+    raw = await client.get(keys.autoscaler())
+    counts = await client.hgetall(keys.autoscaler_decisions())
+    try:
+        record = json.loads(raw) if raw else None
+    except ValueError:
+        record = None
+    return (record if isinstance(record, dict) else None,
+            {k.decode(): int(v) for k, v in counts.items()})

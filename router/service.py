@@ -28,7 +28,14 @@ from router.config import ApiSettings, QueueSettings
 from router.dispatcher import Dispatcher, DispatchSettings, ReplicaPool
 from router.errors import InvalidRequestError, NotFoundError
 from router.messages import AdmitRequest, CancelOutcome, RequestState
-from router.metrics import SNAPSHOT_S, SNAPSHOT_TTL_S, ClusterState, MetricsStore, exposition
+from router.metrics import (
+    SNAPSHOT_S,
+    SNAPSHOT_TTL_S,
+    ClusterState,
+    MetricsStore,
+    autoscaler_state,
+    exposition,
+)
 from router.openai_models import ChatCompletionRequest, CompletionRequest
 from router.prompt_tokenizer import ModelInfo, PromptTokenizer
 from router.queues import TenantQueues
@@ -205,7 +212,8 @@ class RouterService:
         if gone:
             await self.client.srem(keys.metrics_routers(), *gone)
         merged = self.metrics.merged([raw for raw in snapshots if raw is not None])
-        state = ClusterState(await self.queues.backlog(), await self.dispatcher.capacity.loads())
+        state = ClusterState(await self.queues.backlog(), await self.dispatcher.capacity.loads(),
+                             *await autoscaler_state(self.client))
         return exposition(merged, state)
 
     async def _publish_metrics(self) -> None:
