@@ -35,7 +35,7 @@ import openai
 from cluster import serve_floor
 from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.redis_server import free_port
-from cluster.settings import load_settings
+from cluster.settings import FairserveSettings, load_settings
 from replicas.engine.async_engine import TorchEngine
 from replicas.engine.bench import make_prompts, run_engine
 from replicas.engine.config import EngineConfig
@@ -153,6 +153,18 @@ async def measure(args: argparse.Namespace, base_url: str, key: str, model: str
         await engine.shutdown()
 
 
+def bench_settings(state_dir: str, threads: int, slots: int) -> FairserveSettings:
+    """One replica with ``slots`` slots and one router on a local Ray of 2 CPUs."""
+    return load_settings(
+        state_dir=state_dir,
+        engine={"num_threads": threads, "max_num_seqs": slots},
+        replicas={"num_replicas": 1, "num_cpus": 1, "max_ongoing_requests": slots},
+        router={"num_replicas": 1, "num_cpus": 0.25, "port": free_port()},
+        redis={"port": free_port()}, ray={"num_cpus": 2},
+        tenants={"create_demo": False},
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=32)
@@ -164,14 +176,7 @@ def main() -> None:
     args = parser.parse_args()
     slots = max(args.concurrency)
     with tempfile.TemporaryDirectory(prefix="fairserve-bench-") as state_dir:
-        settings = load_settings(
-            state_dir=state_dir,
-            engine={"num_threads": args.threads, "max_num_seqs": slots},
-            replicas={"num_replicas": 1, "num_cpus": 1, "max_ongoing_requests": slots},
-            router={"num_replicas": 1, "num_cpus": 0.25, "port": free_port()},
-            redis={"port": free_port()}, ray={"num_cpus": 2},
-            tenants={"create_demo": False},
-        )
+        settings = bench_settings(state_dir, args.threads, slots)
         cluster = LocalCluster(settings, progress=lambda line: print(line, flush=True))
         try:
             info = cluster.start()

@@ -24,10 +24,9 @@ import tempfile
 
 import openai
 
-from cluster.bench import Run, median_run, run_cluster
+from cluster.bench import Run, bench_settings, median_run, run_cluster
 from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.otlp_receiver import OtlpReceiver
-from cluster.redis_server import free_port
 from cluster.settings import load_settings
 from replicas.engine.bench import make_prompts
 from replicas.engine.loader import load_model_source
@@ -98,14 +97,7 @@ def main() -> None:
     os.environ.update({"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
                        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
     with tempfile.TemporaryDirectory(prefix="fairserve-trace-bench-") as state_dir:
-        settings = load_settings(
-            state_dir=state_dir,
-            engine={"num_threads": args.threads, "max_num_seqs": slots},
-            replicas={"num_replicas": 1, "num_cpus": 1, "max_ongoing_requests": slots},
-            router={"num_replicas": 1, "num_cpus": 0.25, "port": free_port()},
-            redis={"port": free_port()}, ray={"num_cpus": 2},
-            tenants={"create_demo": False},
-        )
+        settings = bench_settings(state_dir, args.threads, slots)
         cluster = LocalCluster(settings, progress=lambda line: print(line, flush=True))
         try:
             info = cluster.start()
