@@ -139,8 +139,14 @@ async def _walk(base_url: str, key: str, redis_url: str) -> None:
 
         # 5. idle: back to zero, still ready
         await watch.until(lambda loads: loads == [], 120, "down to zero replicas")
-        ready = await http.get(f"{root}/ready")
-        assert ready.status_code == 200 and ready.json()["replicas"] == 0
+        deadline = time.monotonic() + 5.0  # the router re-reads load reports every 0.25 s
+        while True:
+            ready = await http.get(f"{root}/ready")
+            assert ready.status_code == 200, ready.text
+            if ready.json()["replicas"] == 0 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.25)
+        assert ready.json()["replicas"] == 0, ready.text
     await client.close()
 
 
