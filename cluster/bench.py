@@ -153,6 +153,16 @@ async def measure(args: argparse.Namespace, base_url: str, key: str, model: str
         await engine.shutdown()
 
 
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload of the cluster benchmarks (this one and ``cluster.trace_bench``)."""
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=100)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+
+
 def bench_settings(state_dir: str, threads: int, slots: int) -> FairserveSettings:
     """One replica with ``slots`` slots and one router on a local Ray of 2 CPUs."""
     return load_settings(
@@ -167,12 +177,7 @@ def bench_settings(state_dir: str, threads: int, slots: int) -> FairserveSetting
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--prompt-tokens", type=int, default=100)
-    parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    add_workload_args(parser)
     args = parser.parse_args()
     slots = max(args.concurrency)
     with tempfile.TemporaryDirectory(prefix="fairserve-bench-") as state_dir:

@@ -24,7 +24,7 @@ import tempfile
 
 import openai
 
-from cluster.bench import Run, bench_settings, median_run, run_cluster
+from cluster.bench import Run, add_workload_args, bench_settings, median_run, run_cluster
 from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.otlp_receiver import OtlpReceiver
 from cluster.settings import load_settings
@@ -85,12 +85,7 @@ def print_table(rows: list[tuple[Run, Run, float]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--prompt-tokens", type=int, default=100)
-    parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    add_workload_args(parser)
     args = parser.parse_args()
     slots = max(args.concurrency)
     receiver = OtlpReceiver()
