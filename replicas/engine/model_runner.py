@@ -8,8 +8,10 @@ each sequence whose chunk reached the end of its tokens).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from replicas.engine.attention import AttentionMetadata, PrefillSpan
@@ -58,10 +60,8 @@ class ModelRunner:
         self.sliding_window = model.cfg.sliding_window
         shape = (cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim)
         # One (key, value) pair per layer, each (num_blocks, block_size, num_kv_heads, head_dim).
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cache.num_layers)
-        ]
+        kv = zeroed((cache.num_layers, 2, *shape), dtype, device)
+        self.kv_caches = [(kv[layer, 0], kv[layer, 1]) for layer in range(cache.num_layers)]
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
@@ -144,6 +144,20 @@ class ModelRunner:
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on CPU one whose pages the kernel zeroes as they are first touched.
+
+    NOTE: ``torch.zeros`` writes every byte up front: for the default 1 GiB KV cache that is
+    1-2 s of a replica's start. numpy's ``zeros`` is ``calloc``, which for an allocation this
+    size maps fresh (already zero) pages and writes nothing, so only blocks in use ever cost.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
 
 
 def _is_decode(s: ScheduledSeq) -> bool:

