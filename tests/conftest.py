@@ -1,8 +1,31 @@
-"""Suite-wide test setup: ``gpu`` tests are skipped cleanly on machines without CUDA."""
+"""Suite-wide test setup: ``gpu`` tests are skipped cleanly on machines without CUDA; the
+prepared-model cache is the session's own (the suite writes nothing under ``~/.cache`` and
+always exercises the first, uncached load too)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import pytest
+
+_CACHE_ENV = "FAIRSERVE_CACHE_DIR"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not os.environ.get(_CACHE_ENV):
+        os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="fairserve-test-cache-")
+        config.stash[_OWN_CACHE] = os.environ[_CACHE_ENV]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    own = config.stash.get(_OWN_CACHE, None)
+    if own:
+        shutil.rmtree(own, ignore_errors=True)
+
+
+_OWN_CACHE = pytest.StashKey[str]()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
