@@ -4,13 +4,15 @@
 #   make bench   the engine benchmark against the transformers baseline
 #   make bench-cluster  the same workload direct and through the cluster's HTTP API
 #   make bench-tracing  the cluster's throughput with tracing at full sampling and without
+#   make bench-autoscale  backlog rise -> new replica serving, replicas from the prepared model
+#                         copy and from the GGUF file
 
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install up test test-fast bench bench-cluster bench-tracing lint clean
+.PHONY: install up test test-fast bench bench-cluster bench-tracing bench-autoscale lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -42,6 +44,9 @@ bench-cluster: $(STAMP)
 
 bench-tracing: $(STAMP)
 	$(PY) -m cluster.trace_bench
+
+bench-autoscale: $(STAMP)
+	$(PY) -m cluster.autoscale_bench
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check router replicas cluster tests

@@ -32,8 +32,8 @@ from tests.cluster.factories import UpProcess
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 MODEL = "SmolLM2-135M-Instruct"
-# long enough on one replica (~50 tokens/s here) to outlast a second replica's start (~30 s
-# while the first one is busy)
+# long enough on one replica (~50 tokens/s here) to outlast a second replica's start (~8 s
+# while the first one is busy, more on a loaded CI machine)
 BURST, BURST_TOKENS = 60, 64
 SCALING = AutoscaleSettings(min_replicas=0, max_replicas=2, allow_scale_to_zero=True,
                             target_drain_s=5.0, upscale_delay_s=1.0, downscale_delay_s=8.0,

@@ -1,0 +1,190 @@
+"""Autoscaling reaction time: from a backlog rising to a new replica serving, phase by phase.
+
+    python -m cluster.autoscale_bench [--rounds 3] [--burst 60] [--output-tokens 64]
+                                      [--variants prepared gguf]
+
+One cluster (``fairserve``'s launcher: embedded Redis, local Ray of 2 CPUs, the default model,
+replicas of 0.5 CPU and one torch thread, autoscaling 1-2 on the backlog with the default
+``AutoscaleSettings`` except a short ``downscale_delay_s`` so rounds follow each other). Each
+round sends a burst of ``--burst`` requests at once to a cluster of one idle replica, then
+watches Redis every 0.1 s for three moments, each measured from the burst's start:
+
+* decided: the autoscaler's published decision asks for 2 replicas (the backlog read, the
+  drain estimate passing its target, ``upscale_delay_s``);
+* started: the new replica's first load report (Ray started its actor, the engine loaded);
+* serving: the new replica holds a request (the router saw it and granted it work).
+
+The burst is then waited out, the deployment left to return to one replica, and the next round
+begins. Variants, each on a cluster of its own, one after the other: *prepared* replicas load
+the model from its prepared copy (``engine.model_cache_dir``, the default), *gguf* ones parse
+and dequantize the GGUF file at every start (``model_cache_dir: null``). The table shows every
+round and the medians; beside them, Ray Serve's default policy waits ``upscale_delay_s`` = 30 s
+of sustained load before it even asks for a replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import openai
+
+from cluster.autoscaling import AutoscaleSettings
+from cluster.launcher import LocalCluster, add_tenant_with_key
+from cluster.redis_server import free_port
+from cluster.settings import load_settings
+from router import keys
+from router.capacity import ReplicaLoad, read_loads
+from router.redis_client import connect
+from router.tenants import Tenant
+
+RAY_DEFAULT_UPSCALE_DELAY_S = 30.0
+POLL_S = 0.1
+VARIANTS = ("prepared", "gguf")
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    decided_s: float
+    started_s: float
+    serving_s: float
+    queued_tokens: int  # the backlog the scale-up decision saw
+
+
+async def one_round(client: openai.AsyncOpenAI, redis_url: str, model: str, burst: int,
+                    output_tokens: int, timeout_s: float = 180.0) -> Round:
+    redis = connect(redis_url)
+    try:
+        (first,) = await _until(redis, lambda loads: len(loads) == 1, timeout_s)
+        start = time.monotonic()
+        tasks = [asyncio.create_task(_ask(client, model, i, output_tokens)) for i in range(burst)]
+        decided = started = serving = None
+        queued = 0
+        while serving is None:
+            now = time.monotonic() - start
+            if now > timeout_s:
+                raise TimeoutError(f"no second replica serving after {timeout_s} s")
+            if decided is None:
+                raw = await redis.get(keys.autoscaler())
+                record = json.loads(raw) if raw else {}
+                if record.get("decision_replicas", 0) >= 2:
+                    decided, queued = now, int(record.get("queued_tokens", 0))
+            others = [x for x in await read_loads(redis) if x.replica_id != first.replica_id]
+            if others and started is None:
+                started = now
+            if any(x.ongoing > 0 for x in others):
+                serving = now
+            await asyncio.sleep(POLL_S)
+        await asyncio.gather(*tasks)
+        await _until(redis, lambda loads: len(loads) == 1, timeout_s)  # back to one
+        return Round(decided or serving, started or serving, serving, queued)
+    finally:
+        await redis.aclose()
+
+
+async def _until(redis, predicate, timeout_s: float) -> list[ReplicaLoad]:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        loads = await read_loads(redis)
+        if predicate(loads):
+            return loads
+        await asyncio.sleep(0.25)
+    raise TimeoutError(f"replica count not as wanted after {timeout_s} s")
+
+
+async def _ask(client: openai.AsyncOpenAI, model: str, i: int, output_tokens: int) -> None:
+    response = await client.completions.create(
+        model=model, prompt=f"Request {i}: list some numbers.", max_tokens=output_tokens,
+        extra_body={"min_tokens": output_tokens}, temperature=0.0)
+    assert response.usage is not None and response.usage.completion_tokens == output_tokens
+
+
+async def measure(args: argparse.Namespace, base_url: str, key: str, redis_url: str,
+                  model: str) -> list[Round]:
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=600)
+    rounds = []
+    try:
+        await _ask(client, model, -1, 4)  # warm
+        for i in range(args.rounds):
+            rounds.append(await one_round(client, redis_url, model, args.burst,
+                                          args.output_tokens))
+            r = rounds[-1]
+            print(f"round {i + 1}: decided {r.decided_s:.1f} s, started {r.started_s:.1f} s, "
+                  f"serving {r.serving_s:.1f} s", flush=True)
+    finally:
+        await client.close()
+    return rounds
+
+
+def print_table(results: dict[str, list[Round]], scaling: AutoscaleSettings) -> None:
+    header = (f"{'variant':<8} | {'round':>6} | {'decided s':>9} | {'replica up s':>12} | "
+              f"{'serving s':>9} | {'backlog tokens':>14}")
+    print(header)
+    print("-" * len(header))
+    for variant, rounds in results.items():
+        for i, r in enumerate(rounds, 1):
+            print(f"{variant:<8} | {i:>6} | {r.decided_s:>9.1f} | {r.started_s:>12.1f} | "
+                  f"{r.serving_s:>9.1f} | {r.queued_tokens:>14}")
+        print(f"{variant:<8} | {'median':>6} | "
+              f"{statistics.median(r.decided_s for r in rounds):>9.1f} | "
+              f"{statistics.median(r.started_s for r in rounds):>12.1f} | "
+              f"{statistics.median(r.serving_s for r in rounds):>9.1f} |")
+        print("-" * len(header))
+    if len(results) == 2:
+        (a, ra), (b, rb) = results.items()
+        ratio = (statistics.median(r.serving_s for r in ra)
+                 / statistics.median(r.serving_s for r in rb))
+        print(f"median serving time, {a} / {b}: {ratio:.2f}")
+    print(f"\nfairserve: upscale_delay_s {scaling.upscale_delay_s} s, target_drain_s "
+          f"{scaling.target_drain_s} s; Ray Serve's default policy: upscale_delay_s "
+          f"{RAY_DEFAULT_UPSCALE_DELAY_S:.0f} s before it asks for a replica at all")
+
+
+def run_variant(args: argparse.Namespace, scaling: AutoscaleSettings, variant: str
+                ) -> list[Round]:
+    engine: dict[str, Any] = {"num_threads": 1, "max_num_seqs": 8, "kv_cache_bytes": 256 * 2**20}
+    if variant == "gguf":
+        engine["model_cache_dir"] = None
+    with tempfile.TemporaryDirectory(prefix="fairserve-autoscale-bench-") as state_dir:
+        settings = load_settings(
+            state_dir=state_dir, engine=engine,
+            replicas={"num_cpus": 0.5, "max_ongoing_requests": 8,
+                      "graceful_shutdown_timeout_s": 30, "autoscaling": scaling.model_dump()},
+            router={"num_replicas": 1, "num_cpus": 0.25, "port": free_port()},
+            redis={"port": free_port()}, ray={"num_cpus": 2},
+            tenants={"create_demo": False},
+        )
+        cluster = LocalCluster(settings, progress=lambda line: print(line, flush=True))
+        try:
+            info = cluster.start()
+            key = add_tenant_with_key(info.redis_url, Tenant(id="bench", max_queued=10_000))
+            print(f"variant {variant}:", flush=True)
+            return asyncio.run(measure(args, info.base_url, key, info.redis_url,
+                                       settings.engine.served_model_name))
+        finally:
+            cluster.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--burst", type=int, default=60)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    args = parser.parse_args()
+    scaling = AutoscaleSettings(min_replicas=1, max_replicas=2, downscale_delay_s=5.0)
+    results = {variant: run_variant(args, scaling, variant) for variant in args.variants}
+    print()
+    print(f"burst of {args.burst} requests x {args.output_tokens} output tokens at one idle "
+          "replica (0.5 CPU, 1 torch thread, default model); times from the burst's start")
+    print_table(results, scaling)
+
+
+if __name__ == "__main__":
+    main()
