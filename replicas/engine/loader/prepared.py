@@ -15,8 +15,9 @@ that instead: safetensors are memory-mapped, the tokenizer loads from its JSON. 
 all of these plus ``FORMAT_VERSION``, so an edited file or a new format misses rather than
 loads stale data. A directory is written under a temporary name and renamed into place, so a
 reader never sees a partial one, and two replicas preparing the same model at once both
-succeed (the second rename loses and is discarded). A cache that cannot be written (read-only
-or full disk) only costs the speed; one that cannot be read is rebuilt.
+succeed (the second rename loses and is discarded); staging left by a build that was killed
+is removed by a later build once an hour old. A cache that cannot be written (read-only or full
+disk) only costs the speed; one that cannot be read is rebuilt.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import hashlib
 import json
 import logging
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -47,6 +49,7 @@ FORMAT_VERSION = 1
 MANIFEST_FILE = "fairserve-model.json"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_DIR = "tokenizer"
+ABANDONED_AFTER_S = 3600.0  # a staging directory this old belongs to no live build
 _OPEN_ERRORS = (ModelLoadError, OSError, ValueError, KeyError, TypeError)
 
 
@@ -110,6 +113,7 @@ def _build(path: str, dtype: torch.dtype, directory: Path) -> PreparedModel:
     gguf = open_gguf(path)
     tokenizer = Tokenizer.from_gguf(path, gguf.config.architecture, gguf.config.eos_token_ids)
     staging = directory.with_name(f".{directory.name}.{uuid.uuid4().hex[:8]}.tmp")
+    _remove_abandoned(directory.parent)
     try:
         _write(staging, path, dtype, gguf.config, dict(gguf.weights(dtype)), tokenizer)
         try:
@@ -126,6 +130,17 @@ def _build(path: str, dtype: torch.dtype, directory: Path) -> PreparedModel:
         return PreparedModel(gguf.config, partial(gguf.weights, dtype), tokenizer, None)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _remove_abandoned(cache_dir: Path) -> None:
+    """Staging directories of builds that died (killed mid-write) an hour ago or more."""
+    cutoff = time.time() - ABANDONED_AFTER_S
+    for stale in cache_dir.glob(".*.tmp"):
+        try:
+            if stale.stat().st_mtime < cutoff:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def _write(staging: Path, path: str, dtype: torch.dtype, config: ModelConfig,

@@ -147,6 +147,18 @@ def test_an_unwritable_cache_costs_speed_not_the_load(
 
 
 @pytest.mark.slow
+def test_a_build_removes_staging_abandoned_an_hour_ago(model_file: Path, tmp_path: Path) -> None:
+    old, fresh = tmp_path / ".model-x.dead1.tmp", tmp_path / ".model-x.live2.tmp"
+    for staging in (old, fresh):
+        (staging / "part").mkdir(parents=True)
+    hours_ago = old.stat().st_mtime - prepared.ABANDONED_AFTER_S - 60
+    os.utime(old, (hours_ago, hours_ago))
+    assert prepared.load_prepared(str(model_file), torch.float32, str(tmp_path)).directory
+    assert not old.exists()
+    assert fresh.is_dir()  # maybe another process's build in progress
+
+
+@pytest.mark.slow
 def test_a_changed_file_misses(built: prepared.PreparedModel, model_file: Path,
                                cache_dir: Path) -> None:
     # runs after the others of the module: it moves the shared file's mtime
