@@ -3,7 +3,8 @@ the router ingress deployment bound to it.
 
 The ``OTEL_*`` variables of the process that builds the application are handed to both
 deployments (their actors may run on other nodes of an existing Ray cluster, which do not
-inherit this environment), so tracing is configured where ``fairserve up`` runs.
+inherit this environment), so tracing is configured where ``fairserve up`` runs; those that
+name files (TLS certificates, client keys) are made absolute first.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ray.serve import Application
 
 from cluster.autoscaling import AutoscaleSettings, BacklogPolicy
 from cluster.settings import FairserveSettings
+from replicas.engine.local_path import absolute_path
 from replicas.server import EngineFactory, ModelReplica, ReplicaOptions
 from router.prompt_tokenizer import ModelInfo
 from router.server import RouterServer
@@ -27,7 +29,9 @@ ROUTER_DEPLOYMENT = "Router"
 
 def build_app(settings: FairserveSettings, model: ModelInfo, redis_url: str,
               engine_factory: EngineFactory | None = None) -> Application:
+    """The application; ``settings`` come from ``cluster.placement.place`` (CPUs decided)."""
     r = settings.replicas
+    assert r.num_cpus is not None, "cluster.placement.place decides the replicas' CPUs first"
     options = ReplicaOptions(
         engine=settings.engine,
         max_ongoing_requests=r.max_ongoing_requests,
@@ -77,6 +81,12 @@ def autoscaling_config(a: AutoscaleSettings, redis_url: str) -> dict[str, Any]:
     }
 
 
+# OTEL_* variables that name files (the exporter's TLS certificate and client key, also per
+# signal: OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE ...): the actors read them in other directories
+_OTEL_FILE_SUFFIXES = ("_CERTIFICATE", "_CLIENT_KEY")
+
+
 def otel_runtime_env(env: Mapping[str, str] = os.environ) -> dict[str, dict[str, str]]:
-    env_vars = {k: v for k, v in env.items() if k.startswith("OTEL_")}
+    env_vars = {k: absolute_path(v) if k.endswith(_OTEL_FILE_SUFFIXES) else v
+                for k, v in env.items() if k.startswith("OTEL_")}
     return {"env_vars": env_vars} if env_vars else {}

@@ -21,13 +21,16 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cluster.errors import ClusterStartError
 from cluster.tenants_cli import add_tenants_parser
+from router.redis_client import RedisNotReadyError
 
 if TYPE_CHECKING:
     from cluster.settings import FairserveSettings
 
 RUN_FILE = "run.json"
 DEFAULT_STATE_DIR = Path(".fairserve")  # as cluster.settings; imported lazily (it loads torch)
+STATE_DIR_ENV = "FAIRSERVE_STATE_DIR"
 DOWN_TIMEOUT_S = 120.0
 
 
@@ -57,12 +60,18 @@ def _up(args: argparse.Namespace) -> int:
     from cluster.launcher import LocalCluster
 
     settings = _settings(args)
+    running = _run_state_in(settings.state_dir)
+    if running is not None and _is_running(int(running["pid"])):
+        print(f"fairserve: already running (pid {running['pid']}, {running['base_url']}) with "
+              f"the state in {settings.state_dir}; `fairserve down` stops it", file=sys.stderr)
+        return 1
     cluster = LocalCluster(settings, progress=lambda line: print(line, flush=True))
     stop = threading.Event()
     try:
         info = cluster.start()
         # after start: ray.init installs its own SIGTERM handler
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        settings.state_dir.mkdir(parents=True, exist_ok=True)
         run_file = settings.state_dir / RUN_FILE
         run_file.write_text(json.dumps({"pid": os.getpid(), "base_url": info.base_url,
                                         "redis_url": info.redis_url}))
@@ -91,7 +100,34 @@ def _print_welcome(base: str, key: str | None, model: str) -> None:
     print("Ctrl-C or `fairserve down` stops it.", flush=True)
 
 
-def _run_state(state_dir: Path) -> dict[str, Any] | None:
+def _state_dir(args: argparse.Namespace) -> Path:
+    """The state directory ``fairserve up`` used, found as it found it: ``--state-dir``, else
+    ``$FAIRSERVE_STATE_DIR``, else the settings file's ``state_dir`` (relative to that file),
+    else ``.fairserve`` here. Read without the settings tree, which imports torch (the rule of
+    ``replicas.engine.local_path``, inlined)."""
+
+    def absolute(path: str | Path, base: Path | None = None) -> Path:
+        return Path(os.path.abspath((base or Path.cwd()) / Path(path).expanduser()))
+
+    if args.state_dir is not None:
+        return absolute(args.state_dir)
+    if os.environ.get(STATE_DIR_ENV):
+        return absolute(os.environ[STATE_DIR_ENV])
+    if args.config is not None:
+        import yaml
+
+        with open(args.config) as f:
+            document = yaml.safe_load(f) or {}
+        if isinstance(document, dict) and document.get("state_dir"):
+            return absolute(str(document["state_dir"]), Path(args.config).resolve().parent)
+    return absolute(DEFAULT_STATE_DIR)
+
+
+def _run_state(args: argparse.Namespace) -> dict[str, Any] | None:
+    return _run_state_in(_state_dir(args))
+
+
+def _run_state_in(state_dir: Path) -> dict[str, Any] | None:
     try:
         state: dict[str, Any] = json.loads((state_dir / RUN_FILE).read_text())
     except (OSError, ValueError):
@@ -100,9 +136,9 @@ def _run_state(state_dir: Path) -> dict[str, Any] | None:
 
 
 def _down(args: argparse.Namespace) -> int:
-    state = _run_state(args.state_dir or DEFAULT_STATE_DIR)
+    state = _run_state(args)
     if state is None:
-        print("fairserve is not running (no run state)", file=sys.stderr)
+        print(f"fairserve is not running (no run state in {_state_dir(args)})", file=sys.stderr)
         return 1
     pid = int(state["pid"])
     try:
@@ -136,9 +172,9 @@ def _is_running(pid: int) -> bool:
 def _status(args: argparse.Namespace) -> int:
     from cluster.status import print_status
 
-    state = _run_state(args.state_dir or DEFAULT_STATE_DIR)
+    state = _run_state(args)
     if state is None:
-        print("fairserve is not running (no run state)")
+        print(f"fairserve is not running (no run state in {_state_dir(args)})")
         return 1
     return asyncio.run(print_status(state["base_url"], state["redis_url"]))
 
@@ -148,7 +184,7 @@ def _top(args: argparse.Namespace) -> int:
 
     redis_url = args.redis_url
     if redis_url is None:
-        state = _run_state(args.state_dir or DEFAULT_STATE_DIR)
+        state = _run_state(args)
         if state is None:
             print("fairserve is not running (no run state); pass --redis-url", file=sys.stderr)
             return 1
@@ -157,6 +193,14 @@ def _top(args: argparse.Namespace) -> int:
         return asyncio.run(run_top(redis_url, args.interval, args.once))
     except KeyboardInterrupt:
         return 0
+
+
+def _add_state_dir_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--state-dir", type=Path, default=None,
+                         help=f"as given to `fairserve up` (default: ${STATE_DIR_ENV}, the "
+                         "settings file's state_dir, else .fairserve)")
+    command.add_argument("--config", default=None,
+                         help="the settings file given to `fairserve up` (for its state_dir)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, func, text in (("down", _down, "stop the cluster `fairserve up` started"),
                              ("status", _status, "replicas, tenants and queues")):
         cmd = sub.add_parser(name, help=text)
-        cmd.add_argument("--state-dir", type=Path, default=None)
+        _add_state_dir_arguments(cmd)
         cmd.set_defaults(func=func)
     top = sub.add_parser("top", help="live view of tenants and replicas")
-    top.add_argument("--state-dir", type=Path, default=None)
+    _add_state_dir_arguments(top)
     top.add_argument("--redis-url", default=None, help="the cluster's Redis (default: the one "
                      "`fairserve up` runs)")
     top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
@@ -197,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:  # settings errors name the field
         print(f"fairserve: {exc}", file=sys.stderr)
         return 2
+    except (ClusterStartError, RedisNotReadyError) as exc:  # they say what to change
+        print(f"fairserve: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

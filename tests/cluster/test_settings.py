@@ -53,3 +53,36 @@ def test_slots_beyond_the_engine_batch_are_refused() -> None:
 def test_a_missing_settings_file_is_named(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         load_settings(tmp_path / "nope.yaml")
+
+
+def test_every_path_is_absolute_relative_paths_against_the_current_directory(
+        tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FAIRSERVE_TENANTS__FILE", "conf/tenants.yaml")
+    monkeypatch.setenv("FAIRSERVE_CACHE_DIR", "cache")  # the default cache dir's root
+    s = load_settings(engine={"model": "models/m.gguf"})
+    assert s.state_dir == tmp_path / ".fairserve"  # the default, made absolute
+    assert s.tenants.file == tmp_path / "conf" / "tenants.yaml"
+    assert s.engine.model == str(tmp_path / "models" / "m.gguf")
+    assert s.engine.model_cache_dir == str(tmp_path / "cache" / "models")
+    assert load_settings(state_dir="~/state").state_dir.is_absolute()
+    assert load_settings(engine={"model_cache_dir": ""}).engine.model_cache_dir is None
+
+
+def test_paths_in_a_settings_file_are_relative_to_that_file(tmp_path, monkeypatch) -> None:
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "fairserve.yaml").write_text(
+        "state_dir: ../state\ntenants: {file: tenants.yaml}\n"
+        "engine: {model: models/m.gguf, model_cache_dir: /abs/cache}\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    s = load_settings("../conf/fairserve.yaml")
+    assert s.state_dir == tmp_path / "state"
+    assert s.tenants.file == conf / "tenants.yaml"
+    assert s.engine.model == str(conf / "models" / "m.gguf")
+    assert s.engine.model_cache_dir == "/abs/cache"
+    # a flag or an environment variable is still read against the current directory
+    monkeypatch.setenv("FAIRSERVE_STATE_DIR", "here")
+    assert load_settings("../conf/fairserve.yaml").state_dir == elsewhere / "here"

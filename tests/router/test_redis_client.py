@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import redis.exceptions
 
-from router.redis_client import PackedConnection, connect
+from cluster.redis_server import EmbeddedRedis, find_redis_server, free_port
+from router.redis_client import (
+    PackedConnection,
+    RedisNotReadyError,
+    connect,
+    loading_progress,
+    wait_loaded,
+)
+from tests.cluster.factories import fill_redis
 from tests.router.factories import run
 
 
@@ -44,3 +54,44 @@ async def _refused(redis_url: str) -> None:
 def test_other_schemes_keep_redis_py_connections() -> None:
     client = connect("unix:///tmp/fairserve-no-such.sock")
     assert client.connection_pool.connection_class is not PackedConnection
+
+
+def test_loading_progress_reads_info_persistence() -> None:
+    assert loading_progress({"loading": 0, "aof_enabled": 1}) is None
+    assert loading_progress({"loading": 1, "loading_loaded_perc": 41.7,
+                             "loading_eta_seconds": 3}) == "loading its data: 42% (3 s left)"
+
+
+def test_wait_loaded_returns_once_a_restarted_server_has_replayed_its_aof(tmp_path) -> None:
+    server = EmbeddedRedis(tmp_path)
+    server.start()
+    fill_redis(server.client(), 40 * 1024 * 1024)
+    num_keys = server.client().dbsize()
+    server.stop()
+    # a server that is not ours to wait for (as with --redis-url): started, not waited on
+    process = subprocess.Popen(
+        [find_redis_server(), "--port", str(server.port), "--bind", "127.0.0.1",
+         "--dir", str(tmp_path), "--appendonly", "yes", "--save", "", "--logfile", "x.log"],
+        stdin=subprocess.DEVNULL)
+    try:
+        lines: list[str] = []
+        run(_wait_then_count(server.url, lines, num_keys))
+        assert lines and all(line.startswith("redis: ") for line in lines)
+    finally:
+        process.kill()
+        process.wait()
+
+
+async def _wait_then_count(url: str, lines: list[str], num_keys: int) -> None:
+    client = connect(url)
+    try:
+        await wait_loaded(client, timeout_s=60, progress=lines.append)
+        assert await client.dbsize() == num_keys  # no LOADING error, every key there
+    finally:
+        await client.aclose()
+
+
+def test_wait_loaded_gives_up_naming_what_it_saw() -> None:
+    client = connect(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.2)
+    with pytest.raises(RedisNotReadyError, match="unreachable"):
+        run(wait_loaded(client, timeout_s=0.5))

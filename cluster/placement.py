@@ -1,0 +1,120 @@
+"""Whether the Serve application fits the Ray cluster, checked before anything is deployed;
+and the model replicas' CPU share when the settings leave it to the machine.
+
+NOTE: Ray Serve never refuses a deployment it cannot place: its replicas wait in
+PENDING_ALLOCATION for resources that may never come, and ``serve.run`` waits with them, so a
+configuration that asks two 1-CPU replicas and a router of a 2-CPU machine hangs without a word.
+So the launcher asks first. Everything the application may ever hold at once is added up: every
+model replica (``max_replicas`` under autoscaling, since a scale-out must be placeable too) and
+every router, per resource (CPU, GPU). On a local Ray that the launcher started, a shortfall is
+a ``PlacementError`` naming the numbers asked and available. On a Ray cluster that was joined,
+it is only a warning: that cluster may autoscale, and may hold resources of an older version of
+this application that the new one replaces.
+
+``replicas.num_cpus`` unset means "fit the machine": the CPUs left after the routers, shared by
+the replicas the application may hold (at most 1 CPU each).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from cluster.errors import PlacementError
+from cluster.settings import FairserveSettings
+
+logger = logging.getLogger(__name__)
+
+MAX_AUTO_REPLICA_CPUS = 1.0
+MIN_AUTO_REPLICA_CPUS = 0.01  # Ray refuses a zero request only for GPUs; keep a real share
+EPSILON = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class RayResources:
+    """What the Ray cluster has free: in all, and on its largest node (one actor's ceiling)."""
+
+    num_cpus: float
+    num_gpus: float
+    largest_node_cpus: float
+    largest_node_gpus: float
+    is_local: bool  # started by this launcher (its whole size is ours)
+
+    @classmethod
+    def of_ray(cls, is_local: bool) -> RayResources:
+        import ray
+
+        available = ray.available_resources()
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        return cls(
+            num_cpus=float(available.get("CPU", 0.0)),
+            num_gpus=float(available.get("GPU", 0.0)),
+            largest_node_cpus=max((float(n.get("CPU", 0.0)) for n in nodes), default=0.0),
+            largest_node_gpus=max((float(n.get("GPU", 0.0)) for n in nodes), default=0.0),
+            is_local=is_local,
+        )
+
+
+def max_model_replicas(settings: FairserveSettings) -> int:
+    """The most model replicas the application may hold at once."""
+    scaling = settings.replicas.autoscaling
+    return settings.replicas.num_replicas if scaling is None else scaling.max_replicas
+
+
+def place(settings: FairserveSettings, resources: RayResources) -> FairserveSettings:
+    """``settings`` with ``replicas.num_cpus`` decided, once checked against ``resources``.
+
+    Raises ``PlacementError`` (local Ray) or logs a warning (joined Ray) when the application
+    does not fit; the message names what is asked and what is there.
+    """
+    settings = _with_replica_cpus(settings, resources)
+    problems = _shortfalls(settings, resources)
+    if not problems:
+        return settings
+    where = ("this machine's local Ray" if resources.is_local
+             else f"the Ray cluster at {settings.ray.address}")
+    message = (f"cannot place the application on {where}: " + "; ".join(problems) +
+               ". Lower replicas.num_replicas (or autoscaling.max_replicas), replicas.num_cpus "
+               "or router.num_cpus, or leave replicas.num_cpus unset to share the CPUs there are")
+    if resources.is_local:
+        raise PlacementError(message)
+    logger.warning("%s; waiting for that cluster to provide them", message)
+    return settings
+
+
+def _with_replica_cpus(settings: FairserveSettings, resources: RayResources) -> FairserveSettings:
+    if settings.replicas.num_cpus is not None:
+        return settings
+    left = resources.num_cpus - settings.router.num_replicas * settings.router.num_cpus
+    share = left / max(max_model_replicas(settings), 1)
+    # two decimals, rounded down: the shares must still add up to no more than what is left
+    cpus = max(MIN_AUTO_REPLICA_CPUS, min(MAX_AUTO_REPLICA_CPUS, math.floor(share * 100) / 100))
+    replicas = settings.replicas.model_copy(update={"num_cpus": cpus})
+    return settings.model_copy(update={"replicas": replicas})
+
+
+def _shortfalls(settings: FairserveSettings, resources: RayResources) -> list[str]:
+    r, ro = settings.replicas, settings.router
+    assert r.num_cpus is not None, "replica CPUs are decided before the check"
+    num_replicas = max_model_replicas(settings)
+    counted = (f"{num_replicas} model replica(s)" +
+               (" (autoscaling.max_replicas)" if r.autoscaling is not None else ""))
+    problems: list[str] = []
+    cpus_asked = num_replicas * r.num_cpus + ro.num_replicas * ro.num_cpus
+    if cpus_asked > resources.num_cpus + EPSILON:
+        problems.append(
+            f"{counted} x {r.num_cpus:g} CPU + {ro.num_replicas} router(s) x {ro.num_cpus:g} "
+            f"CPU = {cpus_asked:g} CPU asked, {resources.num_cpus:g} CPU available")
+    for what, asked in (("model replica", r.num_cpus), ("router", ro.num_cpus)):
+        if asked > resources.largest_node_cpus + EPSILON:
+            problems.append(f"one {what} asks {asked:g} CPU, the largest node has "
+                            f"{resources.largest_node_cpus:g}")
+    gpus_asked = num_replicas * r.num_gpus
+    if gpus_asked > resources.num_gpus + EPSILON:
+        problems.append(f"{counted} x {r.num_gpus:g} GPU = {gpus_asked:g} GPU asked, "
+                        f"{resources.num_gpus:g} GPU available")
+    elif r.num_gpus > resources.largest_node_gpus + EPSILON:
+        problems.append(f"one model replica asks {r.num_gpus:g} GPU, the largest node has "
+                        f"{resources.largest_node_gpus:g}")
+    return problems
