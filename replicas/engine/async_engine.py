@@ -50,7 +50,8 @@ class TorchEngine:
         self.config = config
         self._core: EngineCore | None = None
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
-        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (its loop, its queue, the choices still to finish)
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, list[int]]] = {}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stopping = threading.Event()
@@ -99,11 +100,14 @@ class TorchEngine:
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[Chunk, None]:
         self._check_alive()
-        prepared = self.core.prepare(request)  # raises InvalidRequestError before scheduling
+        # raises InvalidRequestError before scheduling; a grammar compiles off the event loop
+        prepared = (self.core.prepare(request) if request.sampling.structured_output is None
+                    else await asyncio.to_thread(self.core.prepare, request))
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         self._commands.put(_Add(prepared, loop, sink))
         finished = False
+        num_open = request.sampling.n  # the request ends with the last choice's final chunk
         try:
             while True:
                 item = await sink.get()
@@ -115,8 +119,10 @@ class TorchEngine:
                     raise EngineDeadError(f"the engine stopped: {item!r}") from item
                 yield item
                 if item.is_final:
-                    finished = True
-                    return
+                    num_open -= 1
+                    if num_open == 0:
+                        finished = True
+                        return
         finally:
             if not finished:  # the reader went away (disconnect, cancel): free the blocks
                 await self._abort_quietly(request.request_id)
@@ -201,14 +207,14 @@ class TorchEngine:
             except InvalidRequestError as exc:  # a duplicate id: refuse this stream only
                 command.loop.call_soon_threadsafe(command.sink.put_nowait, exc)
                 return
-            self._sinks[request_id] = (command.loop, command.sink)
+            num_choices = command.prepared.request.sampling.n
+            self._sinks[request_id] = (command.loop, command.sink, [num_choices])
             self._load = core.load()
             return
-        final = core.abort(command.request_id)
-        if final is not None:
-            self._deliver([final])
+        finals = core.abort(command.request_id)
+        self._deliver(finals)
         self._load = core.load()
-        command.loop.call_soon_threadsafe(_resolve, command.done, final is not None)
+        command.loop.call_soon_threadsafe(_resolve, command.done, bool(finals))
 
     def _deliver(self, chunks: list[Chunk]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Chunk]]] = {}
@@ -217,13 +223,15 @@ class TorchEngine:
             if target is None:
                 continue
             if chunk.is_final:
-                del self._sinks[chunk.request_id]
+                target[2][0] -= 1
+                if target[2][0] == 0:
+                    del self._sinks[chunk.request_id]
             by_loop.setdefault(target[0], []).append((target[1], chunk))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for loop, sink in self._sinks.values():
+        for loop, sink, _ in self._sinks.values():
             loop.call_soon_threadsafe(sink.put_nowait, exc)
         self._sinks.clear()
         while True:  # commands that raced with the crash get an answer too

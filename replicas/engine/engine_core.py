@@ -7,6 +7,7 @@ step's samples into ``Chunk`` objects.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import torch
 from replicas.engine.block_manager import BlockManager
 from replicas.engine.config import EngineConfig
 from replicas.engine.errors import InvalidRequestError
+from replicas.engine.guide import Guide, GuideFactory
 from replicas.engine.interface import Chunk, FinishReason, GenerateRequest, LoadSnapshot
 from replicas.engine.loader import ModelSource, load_model_source
 from replicas.engine.model_runner import CacheShape, ModelRunner
@@ -23,8 +25,9 @@ from replicas.engine.models.cpu_linear import can_pack
 from replicas.engine.models.llama import LlamaForCausalLM
 from replicas.engine.output_processor import RequestOutput
 from replicas.engine.sampler import Sampler
+from replicas.engine.sampling_params import SamplingParams
 from replicas.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from replicas.engine.sequence import Sequence
+from replicas.engine.sequence import Sequence, SequenceStatus
 from replicas.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -39,6 +42,21 @@ class PreparedRequest:
     request: GenerateRequest
     prompt_token_ids: list[int]
     arrival_s: float
+    guides: tuple[Guide, ...] = ()  # one per choice, with a response format
+
+
+@dataclass(slots=True)
+class _Family:
+    """The sequences of one request: one, or one per choice when n > 1.
+
+    NOTE: choices share the prompt's KV blocks through the prefix cache, which registers a
+    block only once its KV is computed. So the first choice runs alone until its prefill is
+    done (its first token); then the others are scheduled and find every full block of the
+    prompt cached, computing only the partial last block.
+    """
+
+    seq_ids: list[str]
+    parked: list[Sequence]  # choices waiting for the first one's prefill
 
 
 class EngineCore:
@@ -66,8 +84,10 @@ class EngineCore:
         )
         eos = tuple(self.tokenizer.eos_token_ids)
         self.sampler = Sampler(eos, self.device)
+        self.guides = GuideFactory(self.tokenizer, source.config.vocab_size)
         self._eos = frozenset(eos)
-        self._outputs: dict[str, RequestOutput] = {}
+        self._outputs: dict[str, RequestOutput] = {}  # by sequence id
+        self._families: dict[str, _Family] = {}  # by request id
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
             config.model, self.cache_shape.num_blocks, config.block_size, self.max_model_len,
@@ -107,8 +127,24 @@ class EngineCore:
                 f"the request needs {needed} tokens of KV cache; this engine holds {capacity}",
                 "max_tokens",
             )
+        self._check_sampling(request.sampling)
+        spec = request.sampling.structured_output
+        guides = () if spec is None else tuple(
+            self.guides.guide(spec) for _ in range(request.sampling.n))
         arrival = request.arrival_time_s if request.arrival_time_s is not None else time.time()
-        return PreparedRequest(request, prompt_ids, arrival)
+        return PreparedRequest(request, prompt_ids, arrival, guides)
+
+    def _check_sampling(self, sampling: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        outside = [t for t, _ in sampling.logit_bias if t >= vocab]
+        if outside:
+            raise InvalidRequestError(
+                f"logit_bias: token id {outside[0]} is not in the vocabulary [0, {vocab})",
+                "logit_bias")
+        if sampling.n > self.config.max_num_seqs:
+            raise InvalidRequestError(
+                f"n ({sampling.n}) exceeds the sequences this engine runs at once "
+                f"({self.config.max_num_seqs})", "n")
 
     def _prompt_token_ids(self, request: GenerateRequest) -> list[int]:
         given = [x is not None for x in (request.prompt_token_ids, request.prompt, request.messages)]
@@ -125,28 +161,46 @@ class EngineCore:
 
     def add(self, prepared: PreparedRequest) -> None:
         request = prepared.request
-        if request.request_id in self._outputs:
+        if request.request_id in self._families:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", "request_id")
-        seq = Sequence.from_prompt(
-            request.request_id, prepared.prompt_token_ids, request.sampling, arrival_s=prepared.arrival_s
-        )
-        detok = IncrementalDetokenizer(
-            self.tokenizer, prepared.prompt_token_ids, request.sampling.skip_special_tokens
-        )
-        self._outputs[seq.request_id] = RequestOutput(seq, detok, self._eos)
-        self.scheduler.add(seq)
+        sampling = request.sampling
+        seqs = []
+        for index in range(sampling.n):
+            seq_id = request.request_id if sampling.n == 1 else f"{request.request_id}/{index}"
+            seq = Sequence.from_prompt(seq_id, prepared.prompt_token_ids, _choice(sampling, index),
+                                       arrival_s=prepared.arrival_s)
+            seq.guide = prepared.guides[index] if prepared.guides else None
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prepared.prompt_token_ids, sampling.skip_special_tokens
+            )
+            self._outputs[seq_id] = RequestOutput(seq, detok, self._eos, request.request_id, index)
+            seqs.append(seq)
+        self._families[request.request_id] = _Family([s.request_id for s in seqs], seqs[1:])
+        self.scheduler.add(seqs[0])
 
-    def abort(self, request_id: str) -> Chunk | None:
-        """Stop a request now and free its blocks; returns its final chunk, None if unknown."""
-        out = self._outputs.pop(request_id, None)
-        if out is None:
-            return None
-        self.scheduler.finish(out.seq, FinishReason.ABORT)
-        self.sampler.forget(request_id)
-        return out.chunk((), None, FinishReason.ABORT)
+    def abort(self, request_id: str) -> list[Chunk]:
+        """Stop a request (every choice) now and free its blocks; returns the final chunks of
+        the choices still running, none if the request is unknown."""
+        family = self._families.pop(request_id, None)
+        if family is None:
+            return []
+        parked = {id(seq) for seq in family.parked}
+        finals = []
+        for seq_id in family.seq_ids:
+            out = self._outputs.pop(seq_id, None)
+            if out is None:
+                continue  # this choice had finished
+            if id(out.seq) in parked:
+                out.seq.status = SequenceStatus.FINISHED
+                out.seq.finished_s = time.time()
+            else:
+                self.scheduler.finish(out.seq, FinishReason.ABORT)
+            self.sampler.forget(seq_id)
+            finals.append(out.chunk((), None, FinishReason.ABORT))
+        return finals
 
     def abort_all(self) -> list[Chunk]:
-        return [c for rid in list(self._outputs) if (c := self.abort(rid)) is not None]
+        return [c for rid in list(self._families) for c in self.abort(rid)]
 
     # ---- the step --------------------------------------------------------------------------
 
@@ -171,17 +225,32 @@ class EngineCore:
         chunks = []
         for seq, sample in zip(seqs, samples, strict=True):
             seq.append_token(sample.token_id)
+            out = self._outputs[seq.request_id]
             if seq.first_token_s is None:
                 seq.first_token_s = now
-            out = self._outputs[seq.request_id]
+                self._release_siblings(out.request_id)
             finish = out.on_token(sample.token_id, self.max_model_len)
             if finish is not None:
-                self.scheduler.finish(seq, finish)
-                self.sampler.forget(seq.request_id)
-                del self._outputs[seq.request_id]
+                self._finish(out, finish)
             logprobs = (sample.logprob,) if sample.logprob is not None else None
             chunks.append(out.chunk((sample.token_id,), logprobs, finish))
         return chunks
+
+    def _release_siblings(self, request_id: str) -> None:
+        """The first choice's prompt is computed (and cached): schedule the other choices."""
+        family = self._families.get(request_id)
+        if family is not None and family.parked:
+            for seq in family.parked:
+                self.scheduler.add(seq)
+            family.parked = []
+
+    def _finish(self, out: RequestOutput, finish: FinishReason) -> None:
+        self.scheduler.finish(out.seq, finish)
+        self.sampler.forget(out.seq.request_id)
+        del self._outputs[out.seq.request_id]
+        family = self._families[out.request_id]
+        if all(seq_id not in self._outputs for seq_id in family.seq_ids):
+            del self._families[out.request_id]
 
     def load(self) -> LoadSnapshot:
         running, waiting = self.scheduler.num_running, self.scheduler.num_waiting
@@ -192,6 +261,16 @@ class EngineCore:
             num_total_kv_blocks=self.block_manager.num_total_blocks,
             num_free_slots=max(0, self.config.max_num_seqs - running - waiting),
         )
+
+
+def _choice(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index`` of a request: one sequence; seeded with ``seed + index`` (vLLM's rule)."""
+    if sampling.n == 1:
+        return sampling
+    seed = None if sampling.seed is None else sampling.seed + index
+    if seed is not None and seed >= 2**64:
+        seed -= 2**64  # the same generator seed: the sampler takes it modulo 2**64
+    return dataclasses.replace(sampling, n=1, seed=seed)
 
 
 def _prompt_param(request: GenerateRequest) -> str:

@@ -77,7 +77,10 @@ class Chunk:
 
     ``token_ids`` are the new tokens; ``text`` is the new text (it may lag the tokens while a
     stop string or a multi-byte character could still be forming). The final chunk has
-    ``finish_reason``, ``usage`` and ``timings`` set.
+    ``finish_reason``, ``usage`` and ``timings`` set. A request with ``n`` choices streams the
+    chunks of all of them, each with its ``index``; it ends after ``n`` final chunks, one per
+    choice, each with that choice's usage (its prompt tokens, its cached prompt tokens, its
+    output tokens) and timings.
     """
 
     request_id: str
@@ -87,9 +90,11 @@ class Chunk:
     logprobs: tuple[TokenLogprob, ...] | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    index: int = 0  # the choice, for a request with n > 1
 
     @property
     def is_final(self) -> bool:
+        """The last chunk of this choice."""
         return self.finish_reason is not None
 
 

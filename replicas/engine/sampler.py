@@ -1,4 +1,6 @@
-"""Turns a step's logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
+"""Turns a step's logits into tokens: logit processing (``min_tokens``, ``logit_bias``,
+penalties, the structured-output grammar), then greedy, or temperature, min-p, top-k, top-p
+and a draw; per-request seeds.
 
 NOTE: sampling uses the exponential race (Gumbel-max): token = argmax(p_i / E_i) with E_i ~
 Exp(1) drawn fresh for every step, which draws exactly from p. A request with a seed owns a
@@ -6,6 +8,9 @@ Exp(1) drawn fresh for every step, which draws exactly from p. A request with a 
 token, so its tokens depend only on its own logits and its own generator: the same seed and
 prompt give the same text whatever else shares the batch (and after preemption, which keeps
 the generator). Requests without a seed share the sampler's generator.
+
+The logit processing runs only on the rows that asked for it (``logits_processors.py``,
+``guide.py``), batched; a step without such rows pays one attribute check per row.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from replicas.engine.guide import apply_guides
 from replicas.engine.interface import TokenLogprob
+from replicas.engine.logits_processors import apply_logit_bias, apply_min_p, apply_penalties
 from replicas.engine.sequence import Sequence
 
 
@@ -38,7 +45,9 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         """logits: (num_seqs, vocab) float32, row i for seqs[i]."""
+        raw = logits  # logprobs are the model's own distribution's
         logits = self._suppress_early_stops(logits, seqs)
+        logits = _process(logits, seqs)
         token_ids = logits.argmax(dim=-1)  # greedy rows keep this
         sampling_rows = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy]
         if sampling_rows:
@@ -47,12 +56,14 @@ class Sampler:
             noise = self._exponentials(probs, [seqs[i] for i in sampling_rows])
             token_ids[rows] = (probs / noise).argmax(dim=-1)
         ids = token_ids.tolist()
-        logprobs = self._logprobs(logits, token_ids, seqs)
+        logprobs = self._logprobs(raw, token_ids, seqs)
         return [SampledToken(token_id=t, logprob=lp) for t, lp in zip(ids, logprobs, strict=True)]
 
     def _suppress_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Before min_tokens are out, EOS and stop tokens cannot be sampled."""
-        early = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.sampling.min_tokens]
+        """Before min_tokens are out, EOS and stop tokens cannot be sampled (unless a grammar
+        decides where the output ends: its complete JSON may allow nothing else)."""
+        early = [i for i, s in enumerate(seqs)
+                 if s.num_output_tokens < s.sampling.min_tokens and s.guide is None]
         if not early:
             return logits
         logits = logits.clone()
@@ -105,10 +116,33 @@ class Sampler:
         return out
 
 
+def _process(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logit_bias, penalties and grammars on the rows that have them; (num_seqs, vocab)."""
+    rows = [i for i, s in enumerate(seqs) if s.sampling.has_logit_processing]
+    if not rows:
+        return logits
+    logits = logits.clone()  # the caller keeps the unprocessed logits for logprobs
+    for wants, apply in ((lambda s: bool(s.sampling.logit_bias), apply_logit_bias),
+                         (lambda s: s.sampling.has_penalties, apply_penalties)):
+        chosen = [i for i in rows if wants(seqs[i])]
+        if chosen:
+            index = torch.tensor(chosen, device=logits.device)
+            logits[index] = apply(logits[index], [seqs[i] for i in chosen])
+    guided = [i for i in rows if seqs[i].guide is not None]
+    if guided:
+        index = torch.tensor(guided, device=logits.device)
+        guides = [g for i in guided if (g := seqs[i].guide) is not None]
+        logits[index] = apply_guides(logits[index], guides)
+    return logits
+
+
 def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Temperature, then top-k, then top-p; returns (rows, vocab) probabilities."""
+    """Temperature, then min-p, top-k and top-p; returns (rows, vocab) probabilities."""
     temps = torch.tensor([s.sampling.temperature for s in seqs], device=logits.device)
     logits = logits / temps[:, None]
+    min_ps = [s.sampling.min_p for s in seqs]
+    if any(p > 0.0 for p in min_ps):
+        logits = apply_min_p(logits, min_ps)
     top_ks = [s.sampling.top_k for s in seqs]
     top_ps = [s.sampling.top_p for s in seqs]
     if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):

@@ -1,7 +1,12 @@
-"""Sampling parameters of one request, validated before anything is scheduled."""
+"""Sampling parameters of one request, validated before anything is scheduled.
+
+The names and ranges are vLLM's (``vllm.SamplingParams``) and OpenAI's, so a request that
+vLLM accepts means the same here.
+"""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from replicas.engine.errors import InvalidRequestError
@@ -9,17 +14,45 @@ from replicas.engine.errors import InvalidRequestError
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
+MAX_LOGIT_BIAS = 100.0
+MAX_PRESENCE_FREQUENCY_PENALTY = 2.0
+MAX_N = 128  # OpenAI's limit; a deployment sets its own below it (router.api.max_n)
+
+
+class GuideKind(enum.StrEnum):
+    """What a structured output is constrained to (OpenAI's ``response_format`` types)."""
+
+    JSON_OBJECT = "json_object"  # any JSON object
+    JSON_SCHEMA = "json_schema"  # JSON valid under ``StructuredOutput.schema``
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A grammar the output must follow; ``schema`` is the JSON Schema as JSON text."""
+
+    kind: GuideKind
+    schema: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    ``temperature == 0`` is greedy (``top_p``/``top_k`` are then ignored). ``top_k`` 0 means off.
-    ``seed`` makes sampling reproducible per request: the same seed and prompt give the same
-    output whatever else shares the batch. ``logprobs`` returns the log-probability of each
-    sampled token under the model's unmodified distribution, plus the ``top_logprobs`` most
-    likely alternatives.
+    ``temperature == 0`` is greedy (``top_p``/``top_k``/``min_p`` are then ignored). ``top_k``
+    0 means off. ``seed`` makes sampling reproducible per request: the same seed and prompt give
+    the same output whatever else shares the batch. ``logprobs`` returns the log-probability of
+    each sampled token under the model's unmodified distribution, plus the ``top_logprobs``
+    most likely alternatives.
+
+    Logit processing, in order: ``logit_bias`` (token id -> added to its logit), then the
+    penalties: ``repetition_penalty`` (vLLM's and transformers': a logit of a token already in
+    the prompt or the output is divided by it when positive, multiplied when negative),
+    ``frequency_penalty`` and ``presence_penalty`` (OpenAI's: minus ``frequency * count +
+    presence * (count > 0)``, counting the generated tokens only); then the structured-output
+    grammar, temperature, ``min_p`` (drop tokens under ``min_p`` times the top probability),
+    top-k and top-p. ``n`` choices are ``n`` sequences on one prompt; a seeded request's choice
+    ``i`` samples with ``seed + i`` (vLLM's rule).
     """
 
     max_tokens: int = 16
@@ -27,13 +60,21 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
+    n: int = 1
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -61,10 +102,39 @@ class SamplingParams:
         _check_int("top_logprobs", self.top_logprobs, low=0, high=MAX_TOP_LOGPROBS)
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
+        _check_int("n", self.n, low=1, high=MAX_N)
+        self._check_processing()
+
+    def _check_processing(self) -> None:
+        _check_float("min_p", self.min_p, 0.0, 1.0, low_open=False)
+        if isinstance(self.repetition_penalty, bool) or not isinstance(
+                self.repetition_penalty, (int, float)) or not 0.0 < self.repetition_penalty <= 1e9:
+            raise InvalidRequestError(
+                f"repetition_penalty must be greater than 0, got {self.repetition_penalty!r}",
+                "repetition_penalty")
+        limit = MAX_PRESENCE_FREQUENCY_PENALTY
+        _check_float("presence_penalty", self.presence_penalty, -limit, limit, low_open=False)
+        _check_float("frequency_penalty", self.frequency_penalty, -limit, limit, low_open=False)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError(f"logit_bias has {len(self.logit_bias)} entries; at most "
+                                      f"{MAX_LOGIT_BIAS_ENTRIES} are allowed", "logit_bias")
+        for token_id, bias in self.logit_bias:
+            _check_int("logit_bias", token_id, low=0)
+            _check_float("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, low_open=False)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @property
+    def has_logit_processing(self) -> bool:
+        """Anything that changes the logits before sampling (cheap to ask every step)."""
+        return bool(self.logit_bias) or self.has_penalties or self.structured_output is not None
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:

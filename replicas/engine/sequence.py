@@ -12,9 +12,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from replicas.engine.interface import FinishReason
 from replicas.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from replicas.engine.guide import Guide
 
 
 class SequenceStatus(enum.Enum):
@@ -43,6 +47,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_prefill_chunks: int = 0
     num_preemptions: int = 0
+    guide: Guide | None = None  # the structured-output grammar's state, if any
 
     @classmethod
     def from_prompt(

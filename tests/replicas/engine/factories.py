@@ -1,8 +1,12 @@
-"""Factories for engine tests: sequences with made-up prompts, no tokenizer, no model."""
+"""Factories for engine tests: sequences with made-up prompts, no tokenizer, no model; and
+transformers' own model on a model source's weights, the reference the engine is held to."""
 
 from __future__ import annotations
 
+import warnings
 import zlib
+from dataclasses import dataclass
+from typing import Any
 
 from replicas.engine.sampling_params import SamplingParams
 from replicas.engine.sequence import Sequence
@@ -42,3 +46,49 @@ TINY_MODEL_SHAPE = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
+
+
+def hf_reference_model(source: Any) -> Any:
+    """transformers' causal LM with ``source``'s weights, float32, eval mode."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(source.config.to_hf_config(),
+                                                          dtype=torch.float32)
+    state = {f"model.{name}" if name != "lm_head.weight" else name: w
+             for name, w in source.weights()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
+
+
+NEAR_TIE_GAP = 1e-3
+
+
+@dataclass
+class Reference:
+    token_ids: list[int]
+    logits: list[Any]  # one (vocab,) tensor per generated token
+
+
+def check_greedy_tokens(case: str, index: int, ref: Reference, got: list[int]) -> None:
+    """``got`` equals the reference's tokens, except where float rounding between batch shapes
+    flips a near-tie: there the engine's token must be the reference's runner-up with a logit
+    gap under ``NEAR_TIE_GAP`` (reported as a warning; the rest is not compared)."""
+    for pos, (want, have) in enumerate(zip(ref.token_ids, got, strict=False)):
+        if want == have:
+            continue
+        values, indices = ref.logits[pos].topk(2)
+        gap = float(values[0] - values[1])
+        assert have == int(indices[1]) and gap < NEAR_TIE_GAP, (
+            f"{case}: prompt {index} diverges at output token {pos}: engine {have}, reference "
+            f"{want} (reference top-2 {indices.tolist()}, gap {gap:.2e})"
+        )
+        warnings.warn(
+            f"near-tie in {case}: prompt {index}, token {pos}: engine took the runner-up "
+            f"{have} over {want}, logit gap {gap:.2e}",
+            stacklevel=1,
+        )
+        return
+    assert got == ref.token_ids, f"{case}: prompt {index}: {got} != {ref.token_ids}"

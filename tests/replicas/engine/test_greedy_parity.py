@@ -9,24 +9,20 @@ logit gap under 1e-3, and the case is reported as a warning. Anything else is a 
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass
-
 import pytest
 import torch
-import transformers
 
 from replicas.engine.config import EngineConfig, default_model_path
 from replicas.engine.engine_core import EngineCore
 from replicas.engine.interface import Chunk, GenerateRequest
 from replicas.engine.loader import ModelSource, load_model_source
 from replicas.engine.sampling_params import SamplingParams
+from tests.replicas.engine.factories import Reference, check_greedy_tokens, hf_reference_model
 
 pytestmark = pytest.mark.slow
 
 MAX_NEW_TOKENS = 24
 CHUNK_TOKENS = 64  # the token budget: prompts longer than this are prefilled in chunks
-NEAR_TIE_GAP = 1e-3
 
 LONG_TEXT = (
     "The Industrial Revolution began in Great Britain in the late eighteenth century and spread "
@@ -49,12 +45,6 @@ PROMPTS = [
 ]
 
 
-@dataclass
-class Reference:
-    token_ids: list[int]
-    logits: list[torch.Tensor]  # one (vocab,) tensor per generated token
-
-
 @pytest.fixture(scope="module")
 def source() -> ModelSource:
     return load_model_source(default_model_path())
@@ -70,13 +60,7 @@ def prompt_ids(source: ModelSource) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def references(source: ModelSource, prompt_ids: list[list[int]]) -> list[Reference]:
     """transformers' greedy generation, one prompt at a time, on the same weights."""
-    hf_config = source.config.to_hf_config()
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    state = {f"model.{name}" if name != "lm_head.weight" else name: w for name, w in source.weights()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    model.eval()
+    model = hf_reference_model(source)
     eos = list(source.tokenizer.eos_token_ids)
     refs = []
     for ids in prompt_ids:
@@ -118,30 +102,11 @@ def _tokens(chunks: list[Chunk]) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
 
 
-def _check(case: str, index: int, ref: Reference, got: list[int]) -> None:
-    for pos, (want, have) in enumerate(zip(ref.token_ids, got, strict=False)):
-        if want == have:
-            continue
-        values, indices = ref.logits[pos].topk(2)
-        gap = float(values[0] - values[1])
-        assert have == int(indices[1]) and gap < NEAR_TIE_GAP, (
-            f"{case}: prompt {index} diverges at output token {pos}: engine {have}, reference "
-            f"{want} (reference top-2 {indices.tolist()}, gap {gap:.2e})"
-        )
-        warnings.warn(
-            f"near-tie in {case}: prompt {index}, token {pos}: engine took the runner-up "
-            f"{have} over {want}, logit gap {gap:.2e}",
-            stacklevel=1,
-        )
-        return
-    assert got == ref.token_ids, f"{case}: prompt {index}: {got} != {ref.token_ids}"
-
-
 def test_greedy_one_at_a_time(source, prompt_ids, references) -> None:
     core = _engine(source, enable_prefix_caching=False)
     for i, ids in enumerate(prompt_ids):
         out = _run(core, {f"r{i}": ids})
-        _check("one at a time", i, references[i], _tokens(out[f"r{i}"]))
+        check_greedy_tokens("one at a time", i, references[i], _tokens(out[f"r{i}"]))
     assert core.block_manager.num_free_blocks == core.block_manager.num_total_blocks
 
 
@@ -150,12 +115,12 @@ def test_greedy_all_in_one_batch_then_with_prefix_cache_hits(source, prompt_ids,
     prompts = {f"r{i}": ids for i, ids in enumerate(prompt_ids)}
     first = _run(core, prompts)
     for i in range(len(prompt_ids)):
-        _check("batched", i, references[i], _tokens(first[f"r{i}"]))
+        check_greedy_tokens("batched", i, references[i], _tokens(first[f"r{i}"]))
     # Same prompts again: every full prompt block comes from the prefix cache.
     second = _run(core, {f"again{i}": ids for i, ids in enumerate(prompt_ids)})
     for i, ids in enumerate(prompt_ids):
         chunks = second[f"again{i}"]
-        _check("prefix-cache hits", i, references[i], _tokens(chunks))
+        check_greedy_tokens("prefix-cache hits", i, references[i], _tokens(chunks))
         usage = chunks[-1].usage
         assert usage is not None
         assert usage.num_cached_tokens == (len(ids) - 1) // 16 * 16 > 0
@@ -170,7 +135,7 @@ def test_greedy_under_preemption(source, prompt_ids, references) -> None:
     preemptions = 0
     for i in range(len(prompt_ids)):
         chunks = out[f"r{i}"]
-        _check("preemption", i, references[i], _tokens(chunks))
+        check_greedy_tokens("preemption", i, references[i], _tokens(chunks))
         timings = chunks[-1].timings
         assert timings is not None
         preemptions += timings.num_preemptions

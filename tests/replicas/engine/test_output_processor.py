@@ -24,7 +24,7 @@ def _stream(tokenizer: Tokenizer, text: str, **sampling):
     """Feed ``text``'s tokens one by one; returns (deltas, finish reason, tokens fed)."""
     prompt = tokenizer.encode("Say something:")
     seq = make_sequence("r", token_ids=prompt, **sampling)
-    out = RequestOutput(seq, IncrementalDetokenizer(tokenizer, prompt), frozenset({EOS}))
+    out = RequestOutput(seq, IncrementalDetokenizer(tokenizer, prompt), frozenset({EOS}), "r")
     deltas, finish, fed = [], None, 0
     for token in tokenizer.encode(text) + [EOS]:
         seq.append_token(token)
