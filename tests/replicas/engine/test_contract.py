@@ -7,6 +7,7 @@ scheduling, abort and disconnect freeing KV blocks at once, seeds, stop strings,
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 
 import pytest
@@ -15,7 +16,7 @@ from replicas.engine.async_engine import TorchEngine
 from replicas.engine.config import EngineConfig
 from replicas.engine.errors import InvalidRequestError
 from replicas.engine.interface import Engine, FinishReason, GenerateRequest
-from replicas.engine.sampling_params import SamplingParams
+from replicas.engine.sampling_params import GuideKind, SamplingParams, StructuredOutput
 
 pytestmark = pytest.mark.slow
 
@@ -204,3 +205,122 @@ def test_concurrent_requests_and_health(engine) -> None:
     for i, chunks in enumerate(results):
         assert chunks[-1].usage.num_output_tokens == 8 + i
     assert _all_blocks_free(eng)
+
+
+# ---- the extensions clients send: n, structured output, penalties, bias, stop strings ----
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
+                         "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}}}
+JSON_ASK = ({"role": "user", "content": "Describe a person as JSON with name, age and city."},)
+
+
+def _choices(chunks) -> dict[int, list]:
+    by_index: dict[int, list] = {}
+    for c in chunks:
+        by_index.setdefault(c.index, []).append(c)
+    return by_index
+
+
+def test_n_choices_share_the_prompt_through_the_prefix_cache(engine) -> None:
+    _, eng = engine
+    params = SamplingParams(max_tokens=12, temperature=0.0, n=3)
+    chunks = run(engine, collect(eng, GenerateRequest("n3", params, messages=STORY)))
+    choices = _choices(chunks)
+    assert sorted(choices) == [0, 1, 2]
+    texts = {"".join(c.text for c in cs) for cs in choices.values()}
+    assert len(texts) == 1  # greedy choices are equal
+    finals = [cs[-1] for cs in choices.values()]
+    assert all(f.is_final and f.usage.num_output_tokens == 12 for f in finals)
+    prompt = finals[0].usage.num_prompt_tokens
+    # the later choices found every full block of the prompt cached by the first one
+    assert all(f.usage.num_cached_tokens == (prompt - 1) // 16 * 16 > 0 for f in finals[1:])
+    assert _all_blocks_free(eng)
+
+
+def test_seeded_choices_are_reproducible_and_choice_0_is_the_single_request(engine) -> None:
+    _, eng = engine
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=7, n=3)
+    texts = []
+    for attempt in range(2):
+        chunks = run(engine, collect(eng, GenerateRequest(f"sn{attempt}", params, messages=STORY)))
+        texts.append({i: "".join(c.text for c in cs) for i, cs in _choices(chunks).items()})
+    assert texts[0] == texts[1] and len(set(texts[0].values())) == 3
+    single = SamplingParams(max_tokens=16, temperature=1.0, seed=7)
+    alone = run(engine, collect(eng, GenerateRequest("s1", single, messages=STORY)))
+    assert "".join(c.text for c in alone) == texts[0][0]
+
+
+def test_abort_ends_every_choice(engine) -> None:
+    _, eng = engine
+
+    async def scenario():
+        params = SamplingParams(max_tokens=200, temperature=1.0, ignore_eos=True, n=3)
+        stream = eng.generate(GenerateRequest("nab", params, messages=STORY))
+        await stream.__anext__()
+        assert await eng.abort("nab") is True
+        return [c async for c in stream]
+
+    rest = run(engine, scenario())
+    aborted = [c for c in rest if c.finish_reason is FinishReason.ABORT]
+    assert sorted(c.index for c in aborted) == [0, 1, 2]
+    assert _all_blocks_free(eng)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_output_parses_and_validates(engine, temperature: float) -> None:
+    import jsonschema
+
+    _, eng = engine
+    spec = StructuredOutput(GuideKind.JSON_SCHEMA, json.dumps(PERSON))
+    params = SamplingParams(max_tokens=80, temperature=temperature, seed=3, n=2,
+                            structured_output=spec)
+    chunks = run(engine, collect(eng, GenerateRequest(f"js{temperature}", params,
+                                                      messages=JSON_ASK)))
+    for choice in _choices(chunks).values():
+        assert choice[-1].finish_reason is FinishReason.STOP
+        jsonschema.validate(json.loads("".join(c.text for c in choice)), PERSON)
+
+
+def test_json_object_output_is_an_object(engine) -> None:
+    _, eng = engine
+    params = SamplingParams(max_tokens=80, temperature=0.0,
+                            structured_output=StructuredOutput(GuideKind.JSON_OBJECT))
+    chunks = run(engine, collect(eng, GenerateRequest("jo", params, messages=JSON_ASK)))
+    assert isinstance(json.loads("".join(c.text for c in chunks)), dict)
+
+
+def test_a_schema_that_does_not_compile_is_refused_naming_response_format(engine) -> None:
+    _, eng = engine
+    bad = StructuredOutput(GuideKind.JSON_SCHEMA, json.dumps({"type": "string",
+                                                              "pattern": "("}))
+    for spec in (bad, StructuredOutput(GuideKind.JSON_SCHEMA, '{"$ref": "#/nowhere"}')):
+        params = SamplingParams(max_tokens=8, structured_output=spec)
+        with pytest.raises(InvalidRequestError) as err:
+            run(engine, collect(eng, GenerateRequest("bad", params, messages=JSON_ASK)))
+        assert err.value.param == "response_format"
+    assert _all_blocks_free(eng)
+
+
+def test_logit_bias_minus_100_bans_a_token(engine) -> None:
+    _, eng = engine
+    tok = eng.core.tokenizer
+    paris = tok.encode(" Paris")[-1]
+    plain = run(engine, collect(eng, GenerateRequest(
+        "lb0", SamplingParams(max_tokens=12, temperature=0.0), messages=CAPITAL)))
+    assert paris in [t for c in plain for t in c.token_ids]
+    params = SamplingParams(max_tokens=12, temperature=0.0, logit_bias=((paris, -100.0),))
+    banned = run(engine, collect(eng, GenerateRequest("lb1", params, messages=CAPITAL)))
+    assert paris not in [t for c in banned for t in c.token_ids]
+    with pytest.raises(InvalidRequestError) as err:
+        too_big = SamplingParams(logit_bias=((10**6, 1.0),))
+        run(engine, collect(eng, GenerateRequest("lb2", too_big, messages=CAPITAL)))
+    assert err.value.param == "logit_bias"
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(engine) -> None:
+    _, eng = engine
+    params = SamplingParams(max_tokens=20, temperature=0.0, stop=("Paris",),
+                            include_stop_str_in_output=True)
+    chunks = run(engine, collect(eng, GenerateRequest("isi", params, messages=CAPITAL)))
+    assert "".join(c.text for c in chunks) == "The capital of France is Paris"
