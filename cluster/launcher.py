@@ -29,6 +29,7 @@ from cluster.settings import FairserveSettings
 from replicas.model_info import describe_model
 from replicas.server import EngineFactory
 from router.api_keys import ApiKeys
+from router.prompt_tokenizer import ModelInfo
 from router.redis_client import connect, wait_loaded
 from router.scripts import Scripts
 from router.tenants import Tenant, TenantStore, load_tenants_file
@@ -56,6 +57,7 @@ class LocalCluster:
         self.progress = progress or (lambda line: logger.info("%s", line))
         self.redis: EmbeddedRedis | None = None
         self.info: ClusterInfo | None = None
+        self.model_info: ModelInfo | None = None  # what the routers know of the model
         self._started_ray = False
         self._started_serve = False
 
@@ -70,7 +72,7 @@ class LocalCluster:
         redis_url = self._start_redis()
         demo_key = asyncio.run(self._prepare_tenants(redis_url))
         self.progress(f"reading the model {s.engine.model} ...")
-        model = describe_model(s.engine)
+        self.model_info = model = describe_model(s.engine)
         serve.start(http_options={"host": s.router.host, "port": s.router.port})
         self._started_serve = True
         scaling = s.replicas.autoscaling

@@ -118,6 +118,11 @@ class FairserveSettings(BaseSettings):
                 f"replicas.max_ongoing_requests ({slots}) exceeds engine.max_num_seqs "
                 f"({self.engine.max_num_seqs}): requests would wait inside the engine, out of "
                 "sight of the fair queues")
+        if self.router.api.max_n > self.engine.max_num_seqs:
+            raise ValueError(
+                f"router.api.max_n ({self.router.api.max_n}) exceeds engine.max_num_seqs "
+                f"({self.engine.max_num_seqs}): the choices of one request could never run "
+                "together")
         return self
 
     @classmethod

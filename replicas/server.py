@@ -23,7 +23,7 @@ from typing import Any
 from replicas.engine.async_engine import TorchEngine
 from replicas.engine.config import EngineConfig
 from replicas.engine.interface import Chunk, Engine, GenerateRequest
-from replicas.engine.sampling_params import SamplingParams
+from replicas.engine.sampling_params import GuideKind, SamplingParams, StructuredOutput
 from replicas.load_report import LoadReporter
 from replicas.tracing import record_engine_spans
 from router.capacity import ReplicaLoad
@@ -79,7 +79,8 @@ class ModelReplica:
         )
         self._num_ongoing += 1
         num_prompt = len(request.prompt_token_ids or ())
-        self._remaining[request.request_id] = num_prompt + request.sampling.max_tokens
+        self._remaining[request.request_id] = (num_prompt + request.sampling.n
+                                               * request.sampling.max_tokens)
         is_prefilled = False
         try:
             async for chunk in self.engine.generate(request):
@@ -93,7 +94,8 @@ class ModelReplica:
                 wire = to_wire(chunk)
                 if chunk.finish_reason is not None:
                     wire["replica_id"] = self.replica_id
-                    self._trace(call.get("trace"), chunk)
+                    if chunk.index == 0:  # the trace follows the first choice
+                        self._trace(call.get("trace"), chunk)
                 yield wire
         finally:
             self._num_ongoing -= 1
@@ -152,10 +154,16 @@ class ModelReplica:
 
 
 def _sampling_args(raw: dict[str, Any]) -> dict[str, Any]:
+    """The router's JSON sampling fields as ``SamplingParams`` arguments."""
     args = dict(raw)
     for name in ("stop", "stop_token_ids"):
         if name in args:
             args[name] = tuple(args[name])
+    if "logit_bias" in args:
+        args["logit_bias"] = tuple((int(t), float(b)) for t, b in args["logit_bias"])
+    if args.get("structured_output") is not None:
+        spec = args["structured_output"]
+        args["structured_output"] = StructuredOutput(GuideKind(spec["kind"]), spec["schema"])
     return args
 
 
@@ -163,6 +171,8 @@ def to_wire(chunk: Chunk) -> dict[str, Any]:
     wire: dict[str, Any] = {"token_ids": list(chunk.token_ids), "text": chunk.text,
                             "finish_reason": chunk.finish_reason.value
                             if chunk.finish_reason else None}
+    if chunk.index:
+        wire["index"] = chunk.index
     if chunk.logprobs is not None:
         wire["logprobs"] = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]]
                             for lp in chunk.logprobs]

@@ -153,13 +153,13 @@ async def _sse(service: RouterService, submission: Submission, shaper: _Shaper,
                observer: RequestObserver) -> AsyncIterator[str]:
     is_ended = False
     try:
-        opener = shaper.first_chunk()
-        if opener is not None:
+        for opener in shaper.first_chunks():
             yield _data(opener)
         async for item in service.events(submission.tenant_id, submission.request_id):
             if isinstance(item, ChunkData):
                 observer.tokens(item.num_tokens)
-                yield _data(shaper.delta(item))
+                for payload in shaper.deltas(item):
+                    yield _data(payload)
                 continue
             is_ended = True
             phases = observer.ended(item)
@@ -199,17 +199,28 @@ def _raise_if_failed(end: EndData) -> None:
 
 
 class _Shaper:
-    """Builds OpenAI's chat or completions objects from response events."""
+    """Builds OpenAI's chat or completions objects from response events, for ``n`` choices.
+
+    Streams are OpenAI's: a chat stream opens each choice with its role; each chunk carries one
+    choice (by ``index``); a choice's last chunk has its ``finish_reason``; with
+    ``include_usage`` a last chunk with empty ``choices`` has the usage, and with vLLM's
+    ``continuous_usage_stats`` every chunk has the usage so far.
+    """
 
     def __init__(self, body: ChatCompletionRequest | CompletionRequest, submission: Submission,
                  model: str) -> None:
         self.is_chat = isinstance(body, ChatCompletionRequest)
         self.include_usage = body.include_usage
+        self.continuous_usage = body.continuous_usage
+        self.num_choices = body.n
         self.id = submission.request_id
         self.model = model
         self.created = int(time.time())
-        self.texts: list[str] = []
-        self.logprobs: list[Any] = []
+        self.prompt_tokens = submission.prompt_tokens
+        self.num_tokens = 0  # all choices together
+        self.texts: list[list[str]] = [[] for _ in range(body.n)]
+        self.logprobs: list[list[Any]] = [[] for _ in range(body.n)]
+        self.finished: set[int] = set()
         self.wants_logprobs = bool(body.logprobs) if self.is_chat else body.logprobs is not None
 
     def _envelope(self, choices: list[dict[str, Any]], streaming: bool) -> dict[str, Any]:
@@ -218,54 +229,79 @@ class _Shaper:
         out: dict[str, Any] = {"id": self.id, "object": kind, "created": self.created,
                                "model": self.model, "choices": choices}
         if streaming and self.include_usage:
-            out["usage"] = None
+            out["usage"] = None if not self.continuous_usage else {
+                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.num_tokens,
+                "total_tokens": self.prompt_tokens + self.num_tokens}
         return out
 
-    def add(self, chunk: ChunkData) -> None:
-        self.texts.append(chunk.text)
-        if chunk.logprobs:
-            self.logprobs.extend(chunk.logprobs)
-
-    def first_chunk(self) -> dict[str, Any] | None:
-        """Chat streams open with the role (as OpenAI's do); completions start with text."""
-        if not self.is_chat:
-            return None
-        return self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None, "finish_reason": None}], True)
-
-    def delta(self, chunk: ChunkData) -> dict[str, Any]:
-        logprobs = self._logprobs(chunk.logprobs or [], offset=sum(map(len, self.texts))) \
-            if self.wants_logprobs else None
-        self.add(chunk)
+    def _choice(self, index: int, text: str | None, logprobs: Any,
+                finish: str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
         if self.is_chat:
-            choice = {"index": 0, "delta": {"content": chunk.text}, "logprobs": logprobs,
-                      "finish_reason": None}
+            choice["delta"] = {} if text is None else {"content": text}
         else:
-            choice = {"index": 0, "text": chunk.text, "logprobs": logprobs, "finish_reason": None}
-        return self._envelope([choice], True)
+            choice["text"] = text or ""
+        return choice
+
+    def add(self, chunk: ChunkData) -> None:
+        self.num_tokens += chunk.num_tokens
+        self.texts[chunk.index].append(chunk.text)
+        if chunk.logprobs:
+            self.logprobs[chunk.index].extend(chunk.logprobs)
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        """Chat streams open each choice with the role (as OpenAI's do); completions start
+        with text."""
+        if not self.is_chat:
+            return []
+        return [self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None}], True)
+                for i in range(self.num_choices)]
+
+    def deltas(self, chunk: ChunkData) -> list[dict[str, Any]]:
+        index = chunk.index
+        offset = sum(map(len, self.texts[index]))
+        logprobs = self._logprobs(chunk.logprobs or [], offset) if self.wants_logprobs else None
+        self.add(chunk)
+        out = []
+        if chunk.text or chunk.num_tokens:
+            out.append(self._envelope([self._choice(index, chunk.text, logprobs, None)], True))
+        if chunk.finish_reason is not None:
+            out.append(self._finish_chunk(index, chunk.finish_reason))
+        return out
+
+    def _finish_chunk(self, index: int, reason: str | None) -> dict[str, Any]:
+        self.finished.add(index)
+        return self._envelope([self._choice(index, None, None, reason)], True)
 
     def last_chunks(self, end: EndData, phases: PhaseTimes) -> list[dict[str, Any]]:
-        finish = end.finish_reason
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
-        if self.is_chat:
-            choice["delta"] = {}
-        else:
-            choice["text"] = ""
-        chunks = [self._envelope([choice], True)]
+        reasons = self._reasons(end)
+        chunks = [self._finish_chunk(i, reasons[i]) for i in range(self.num_choices)
+                  if i not in self.finished]
         if self.include_usage:
             usage = self._envelope([], True)
             usage["usage"] = _usage(end, phases)
             chunks.append(usage)
         return chunks
 
+    def _reasons(self, end: EndData) -> list[str | None]:
+        """Each choice's finish reason (one choice: the request's)."""
+        if end.finish_reasons is not None:
+            return list(end.finish_reasons)
+        return [end.finish_reason] * self.num_choices
+
     def final(self, end: EndData, phases: PhaseTimes) -> dict[str, Any]:
-        text = "".join(self.texts)
-        logprobs = self._logprobs(self.logprobs, 0) if self.wants_logprobs else None
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
-                                  "finish_reason": end.finish_reason}
-        choice |= {"message": {"role": "assistant", "content": text}} if self.is_chat \
-            else {"text": text}
-        out = self._envelope([choice], False)
+        reasons = self._reasons(end)
+        choices = []
+        for i in range(self.num_choices):
+            text = "".join(self.texts[i])
+            logprobs = self._logprobs(self.logprobs[i], 0) if self.wants_logprobs else None
+            choice: dict[str, Any] = {"index": i, "logprobs": logprobs,
+                                      "finish_reason": reasons[i]}
+            choice |= {"message": {"role": "assistant", "content": text}} if self.is_chat \
+                else {"text": text}
+            choices.append(choice)
+        out = self._envelope(choices, False)
         out["usage"] = _usage(end, phases)
         return out
 

@@ -39,3 +39,8 @@ class ApiSettings(BaseModel):
     allow_scale_from_zero: bool = Field(
         False, description="/ready is true with no replica running (autoscaling starts one)"
     )
+    max_n: int = Field(
+        8, ge=1, le=128,
+        description="most choices (OpenAI's n) one request may ask for; each is a sequence in "
+        "the engine, so it must not exceed engine.max_num_seqs",
+    )

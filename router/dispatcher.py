@@ -24,7 +24,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from opentelemetry.trace import Span, Status, StatusCode
@@ -96,8 +96,10 @@ class _Running:
     span: Span | None = None
     stream: ReplicaStream | None = None
     is_cancel_requested: bool = False
-    num_output_tokens: int = 0
+    num_output_tokens: int = 0  # all choices together
     prompt_tokens: int = 0
+    num_choices: int = 1
+    finals: dict[int, dict[str, Any]] = field(default_factory=dict)  # choice -> its last wire
 
 
 class Dispatcher:
@@ -215,6 +217,7 @@ class Dispatcher:
         body = json.loads(grant.body)
         call = {"request_id": f"{grant.request_id}.{lease.attempt}",
                 "prompt_token_ids": body["prompt_token_ids"], "sampling": body["sampling"]}
+        running.num_choices = int(body["sampling"].get("n", 1))
         if running.span is not None:
             call["trace"] = carrier(running.span)
         want_logprobs = bool(body["sampling"].get("logprobs"))
@@ -241,35 +244,46 @@ class Dispatcher:
         _end_span(running, "cancelled")
 
     async def _relay(self, running: _Running, wire: dict[str, Any], want_logprobs: bool) -> bool:
-        """Append one chunk; True when it was the final one and the request is completed."""
+        """Append one chunk; True when it was the last choice's final one and the request is
+        completed."""
         ids: list[int] = wire["token_ids"]
         running.num_output_tokens += len(ids)
         logprobs = _logprobs(self.tokenizer, wire.get("logprobs")) if want_logprobs else None
-        events = []
-        if ids or wire["text"]:
-            events.append((response_events.CHUNK,
-                           response_events.chunk_data(wire["text"], len(ids), logprobs)))
-        if events:
-            status = await self.appends.append(running.grant.lease, events)
+        index, finish = int(wire.get("index", 0)), wire.get("finish_reason")
+        # with n > 1 a choice's end travels on its last chunk; one choice ends with the request
+        choice_finish = finish if running.num_choices > 1 else None
+        if ids or wire["text"] or choice_finish is not None:
+            event = response_events.chunk_data(wire["text"], len(ids), logprobs, index,
+                                               choice_finish)
+            status = await self.appends.append(running.grant.lease,
+                                               [(response_events.CHUNK, event)])
             if status.is_cancel_requested:
                 self.abort_local(running.grant.request_id)
-        if wire.get("finish_reason") is None:
+        if finish is None:
             return False
-        usage = wire["usage"]
-        timings = {**(wire.get("timings") or {}), "admitted_s": running.admitted_ns / 1e9,
-                   "granted_s": running.granted_ns / 1e9}
-        final = response_events.end_data(wire["finish_reason"], usage["prompt_tokens"],
-                                         usage["completion_tokens"], usage["cached_tokens"],
-                                         timings)
-        outcome = (RequestState.CANCELLED if wire["finish_reason"] == "abort"
-                   else RequestState.COMPLETED)
-        await self.queues.complete(running.grant.lease, usage["prompt_tokens"],
-                                   usage["completion_tokens"], wire["finish_reason"], final,
+        running.finals[index] = wire
+        if len(running.finals) < running.num_choices:
+            return False
+        await self._complete(running)
+        return True
+
+    async def _complete(self, running: _Running) -> None:
+        """Every choice has ended: the end event with the usage of all, and the settlement."""
+        finals = [running.finals[i] for i in sorted(running.finals)]
+        first = finals[0]
+        prompt, cached = first["usage"]["prompt_tokens"], first["usage"]["cached_tokens"]
+        completion = sum(w["usage"]["completion_tokens"] for w in finals)
+        timings = {**_merged_timings([w.get("timings") or {} for w in finals]),
+                   "admitted_s": running.admitted_ns / 1e9, "granted_s": running.granted_ns / 1e9}
+        reasons = [w["finish_reason"] for w in finals]
+        final = response_events.end_data(reasons[0], prompt, completion, cached, timings,
+                                         reasons if running.num_choices > 1 else None)
+        outcome = (RequestState.CANCELLED if reasons[0] == "abort" else RequestState.COMPLETED)
+        await self.queues.complete(running.grant.lease, prompt, completion, reasons[0], final,
                                    outcome)
         if running.span is not None:
-            running.span.set_attribute("fairserve.replica.id", str(wire.get("replica_id", "")))
+            running.span.set_attribute("fairserve.replica.id", str(first.get("replica_id", "")))
             _end_span(running, outcome.value)
-        return True
 
     async def _end_cancelled(self, running: _Running) -> None:
         used = running.num_output_tokens
@@ -323,6 +337,25 @@ def _end_span(running: _Running, outcome: str, is_error: bool = False) -> None:
     if is_error:
         span.set_status(Status(StatusCode.ERROR, outcome))
     span.end()
+
+
+def _merged_timings(timings: list[dict[str, Any]]) -> dict[str, Any]:
+    """The engine timings of a request from its choices': the earliest start of each phase,
+    the last finish, counts added up (one choice: its own)."""
+    if len(timings) == 1:
+        return timings[0]
+
+    def earliest(name: str) -> float | None:
+        values = [t[name] for t in timings if t.get(name) is not None]
+        return min(values) if values else None
+
+    merged: dict[str, Any] = {name: earliest(name)
+                              for name in ("arrived_s", "first_scheduled_s", "first_token_s")}
+    finished = [t["finished_s"] for t in timings if t.get("finished_s") is not None]
+    merged["finished_s"] = max(finished) if finished else None
+    for name in ("num_prefill_chunks", "num_preemptions"):
+        merged[name] = sum(int(t.get(name, 0)) for t in timings)
+    return merged
 
 
 def _logprobs(tokenizer: PromptTokenizer, raw: list[Any] | None) -> list[Any] | None:

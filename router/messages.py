@@ -33,6 +33,9 @@ class AdmitRequest:
     body: str  # the API request as JSON; opaque to the queue
     meta: str = ""  # e.g. the W3C traceparent; opaque to the queue
     expected_output_tokens: int | None = None  # fair-share cost estimate; None: max_tokens
+    # choices (OpenAI's n): each may produce max_tokens, so the reservation and the fair-share
+    # cost count the output n times (the prompt once: the choices share it)
+    num_choices: int = 1
 
 
 @dataclass(frozen=True, slots=True)

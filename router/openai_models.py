@@ -1,20 +1,30 @@
 """OpenAI's request and response schemas, for the fields fairserve supports.
 
 Requests are ``extra="forbid"``: a field we do not implement is a 400 naming it, never silently
-ignored (a client that sends ``frequency_penalty`` must learn it had no effect). Responses are
-declared too, so the OpenAPI document FastAPI serves describes what is really sent; the SSE
-chunk models document the ``text/event-stream`` bodies.
+ignored (a client that sends ``tools`` must learn it had no effect). Accepted: OpenAI's own
+sampling fields (``n``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``,
+``response_format``, ...) and vLLM's extensions, as vLLM names and bounds them (``ignore_eos``,
+``min_tokens``, ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
+``include_stop_str_in_output``, ``skip_special_tokens``, ``spaces_between_special_tokens``,
+``stream_options.continuous_usage_stats``), which the field's load and eval tools send.
+Responses are declared too, so the OpenAPI document FastAPI serves describes what is really
+sent; the SSE chunk models document the ``text/event-stream`` bodies.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+MAX_N = 128  # OpenAI's bound; the deployment's own is router.api.max_n
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_STOP_TOKEN_IDS = 64
+SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class _Request(BaseModel):
@@ -39,6 +49,43 @@ class ChatMessage(_Request):
 
 class StreamOptions(_Request):
     include_usage: bool = Field(False, description="send a last chunk with the usage")
+    continuous_usage_stats: bool = Field(
+        False, description="vLLM: with include_usage, every chunk carries the usage so far")
+
+
+class TextFormat(_Request):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Request):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Request):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(description="a-z, A-Z, 0-9, _ and -, at most 64 characters")
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema",
+                                        description="the JSON Schema the output must match")
+    strict: bool | None = Field(None, description="accepted; the output always matches")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not SCHEMA_NAME.match(value):
+            raise ValueError("response_format: json_schema.name must be 1-64 characters of "
+                             "a-z, A-Z, 0-9, _ and -")
+        return value
+
+
+class JsonSchemaFormat(_Request):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat,
+                           Field(discriminator="type")]
 
 
 class _Sampling(_Request):
@@ -49,16 +96,49 @@ class _Sampling(_Request):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    n: int = Field(1, ge=1, description="only 1 is supported; more is a 400 naming n")
+    n: int = Field(1, ge=1, le=MAX_N, description="choices; at most router.api.max_n")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
-    min_tokens: int = Field(0, ge=0, description="fairserve extension: generate at least this many")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="token id (as a string) -> bias added to its logit, -100..100; "
+        f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+    response_format: ResponseFormat | None = None
+    # vLLM's extensions
+    min_tokens: int = Field(0, ge=0, description="vLLM: generate at least this many tokens")
+    ignore_eos: bool = Field(False, description="vLLM: do not stop at EOS")
+    top_k: int | None = Field(None, ge=-1, description="vLLM: keep the k most likely tokens; "
+                              "-1 or 0: all")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM: drop tokens under min_p times "
+                         "the most likely token's probability")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="vLLM: > 1 discourages tokens "
+                                      "already in the prompt or the output")
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]],
+                              Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    include_stop_str_in_output: bool = Field(False, description="vLLM: keep the stop string")
+    skip_special_tokens: bool = Field(True, description="vLLM: leave special tokens out of "
+                                      "the text")
+    spaces_between_special_tokens: bool = Field(
+        True, description="vLLM: accepted; applies to slow tokenizers only (every model "
+        "fairserve loads has a fast one, whose decoder decides the spacing)")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is None:
+            return None
+        if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+                             f"got {len(value)}")
+        for key in value:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias: keys must be token ids, got {key!r}")
+        return value
 
     @model_validator(mode="after")
     def _check_shared(self) -> _Sampling:
-        if self.n != 1:
-            raise ValueError("n: only n=1 is supported")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(s == "" for s in stops):
             raise ValueError("stop: stop strings must not be empty")
@@ -75,6 +155,12 @@ class _Sampling(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM: usage on every chunk (only with include_usage, as vLLM does)."""
+        return self.include_usage and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class ChatCompletionRequest(_Sampling):

@@ -110,14 +110,16 @@ class TenantQueues:
             request.expected_output_tokens)
         for name, value, low in (("prompt_tokens", request.prompt_tokens, 0),
                                  ("max_tokens", request.max_tokens, 1),
-                                 ("expected_output_tokens", expected, 0)):
+                                 ("expected_output_tokens", expected, 0),
+                                 ("num_choices", request.num_choices, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise InvalidRequestError(f"{name} must be an integer >= {low}, got {value!r}",
                                           param=name)
         if len(request.body.encode()) > MAX_BODY_BYTES:
             raise RequestTooLargeError(f"request body over {MAX_BODY_BYTES} bytes", param="body")
         return (request.tenant_id, request.request_id, request.prompt_tokens, request.max_tokens,
-                expected, request.body, request.meta, self.settings.queue_full_retry_after_ms)
+                expected, request.body, request.meta, self.settings.queue_full_retry_after_ms,
+                request.num_choices)
 
     # ---- grants and leases ----
 

@@ -1,8 +1,10 @@
 """What a dispatcher writes into a request's response stream, and what a reader makes of it.
 
-Event types: ``chunk`` (new text, the number of new tokens, their logprobs), ``end`` (terminal:
-finish reason, usage, engine timings; or ``outcome`` for a request that ended unserved, or
-``error`` for one that failed) and ``error`` (terminal: dead-lettered). Data is JSON.
+Event types: ``chunk`` (new text, the number of new tokens, their logprobs; for a request with
+``n`` choices also the choice's index, and its finish reason on its last chunk), ``end``
+(terminal: finish reason, usage summed over the choices, engine timings, and each choice's
+finish reason; or ``outcome`` for a request that ended unserved, or ``error`` for one that
+failed) and ``error`` (terminal: dead-lettered). Data is JSON.
 Logprobs travel as ``[token text, logprob, [[text, logprob], ...]]`` and are shaped into the
 chat or completions form by the reader.
 """
@@ -25,6 +27,8 @@ class ChunkData:
     text: str
     num_tokens: int
     logprobs: list[Any] | None = None
+    index: int = 0  # the choice
+    finish_reason: str | None = None  # set on a choice's last chunk when n > 1
 
 
 @dataclass(slots=True)
@@ -37,20 +41,31 @@ class EndData:
     outcome: str | None = None  # "cancelled" or "dead" when the request ended unserved
     reason: str | None = None
     error: dict[str, Any] | None = None  # an OpenAI error object when the request failed
+    finish_reasons: list[str] | None = None  # per choice, when n > 1
 
 
-def chunk_data(text: str, num_tokens: int, logprobs: list[Any] | None) -> str:
+def chunk_data(text: str, num_tokens: int, logprobs: list[Any] | None, index: int = 0,
+               finish_reason: str | None = None) -> str:
     payload: dict[str, Any] = {"text": text, "n": num_tokens}
     if logprobs is not None:
         payload["lp"] = logprobs
+    if index:
+        payload["i"] = index
+    if finish_reason is not None:
+        payload["fr"] = finish_reason
     return json.dumps(payload)
 
 
 def end_data(finish_reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-             timings: dict[str, float] | None = None) -> str:
-    return json.dumps({"finish_reason": finish_reason, "prompt_tokens": prompt_tokens,
-                       "completion_tokens": completion_tokens, "cached_tokens": cached_tokens,
-                       "timings": timings or {}})
+             timings: dict[str, float] | None = None,
+             finish_reasons: list[str] | None = None) -> str:
+    payload: dict[str, Any] = {
+        "finish_reason": finish_reason, "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens, "cached_tokens": cached_tokens,
+        "timings": timings or {}}
+    if finish_reasons is not None:
+        payload["finish_reasons"] = finish_reasons
+    return json.dumps(payload)
 
 
 def error_data(error: RouterError, prompt_tokens: int = 0, completion_tokens: int = 0) -> str:
@@ -64,7 +79,8 @@ def error_data(error: RouterError, prompt_tokens: int = 0, completion_tokens: in
 def parse(event: StreamEvent) -> ChunkData | EndData:
     data = json.loads(event.data)
     if event.type == CHUNK:
-        return ChunkData(data["text"], int(data["n"]), data.get("lp"))
+        return ChunkData(data["text"], int(data["n"]), data.get("lp"), int(data.get("i", 0)),
+                         data.get("fr"))
     return EndData(
         finish_reason=data.get("finish_reason"),
         prompt_tokens=int(data.get("prompt_tokens", 0)),
@@ -74,4 +90,5 @@ def parse(event: StreamEvent) -> ChunkData | EndData:
         outcome=data.get("outcome"),
         reason=data.get("reason"),
         error=data.get("error"),
+        finish_reasons=data.get("finish_reasons"),
     )

@@ -39,6 +39,7 @@ from router.metrics import (
 from router.openai_models import ChatCompletionRequest, CompletionRequest
 from router.prompt_tokenizer import ModelInfo, PromptTokenizer
 from router.queues import TenantQueues
+from router.sampling import check_sampling, sampling_wire
 from router.scripts import Scripts
 from router.stream_mux import StreamMux
 from router.tracing import OFF, Tracing, carrier, encode_meta, now_ns
@@ -114,16 +115,18 @@ class RouterService:
         if request.model != self.model.served_model_name:
             raise NotFoundError(f"the model {request.model!r} does not exist; this cluster serves "
                                 f"{self.model.served_model_name!r}", param="model")
+        check_sampling(request, self.tokenizer.vocab_size, self.api.max_n)
         prompt_ids, prompt_param = self._prompt_ids(request)
         max_tokens = await self._max_tokens(principal.tenant_id, request, len(prompt_ids),
                                             prompt_param)
         body = json.dumps({"prompt_token_ids": prompt_ids,
-                           "sampling": _sampling(request, max_tokens)})
+                           "sampling": sampling_wire(request, max_tokens)})
         request_id = _request_id(principal.tenant_id, request, idempotency_key)
         trace_fields = carrier() if self.tracing.is_on else {}
         meta = encode_meta(trace_fields, now_ns())
         admission = await self.queues.admit(AdmitRequest(
-            principal.tenant_id, request_id, len(prompt_ids), max_tokens, body, meta))
+            principal.tenant_id, request_id, len(prompt_ids), max_tokens, body, meta,
+            num_choices=request.n))
         if not admission.is_duplicate:
             self.dispatcher.wake()
             await self.client.publish(keys.wake_channel(), b"1")
@@ -240,16 +243,6 @@ class RouterService:
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()
-
-
-def _sampling(request: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> dict[str, Any]:
-    if isinstance(request, ChatCompletionRequest):
-        logprobs, top = request.logprobs, request.top_logprobs or 0
-    else:
-        logprobs, top = request.logprobs is not None, request.logprobs or 0
-    return {"max_tokens": max_tokens, "min_tokens": request.min_tokens,
-            "temperature": request.temperature, "top_p": request.top_p, "seed": request.seed,
-            "stop": list(request.stop_strings), "logprobs": logprobs, "top_logprobs": top}
 
 
 def _request_id(tenant_id: str, request: ChatCompletionRequest | CompletionRequest,

@@ -60,7 +60,9 @@ def make_prompts(tokenizer, n: int, num_tokens: int, seed: int = 0) -> list[list
     return prompts
 
 
-async def run_engine(engine: TorchEngine, prompts: list[list[int]], concurrency: int, num_out: int) -> Result:
+async def run_engine(engine: TorchEngine, prompts: list[list[int]], concurrency: int, num_out: int,
+                     sampling: dict | None = None) -> Result:
+    """``sampling``: SamplingParams fields (default: greedy)."""
     slots = asyncio.Semaphore(concurrency)
     ttft: list[float] = []
     steps: list[float] = []
@@ -68,7 +70,8 @@ async def run_engine(engine: TorchEngine, prompts: list[list[int]], concurrency:
     async def one(i: int, ids: list[int]) -> int:
         async with slots:
             start = time.perf_counter()
-            params = SamplingParams(max_tokens=num_out, temperature=0.0, ignore_eos=True)
+            params = SamplingParams(max_tokens=num_out, ignore_eos=True,
+                                    **(sampling or {"temperature": 0.0}))
             stamps = []
             async for chunk in engine.generate(GenerateRequest(f"bench-{concurrency}-{i}", params, prompt_token_ids=tuple(ids))):
                 stamps.extend([time.perf_counter()] * len(chunk.token_ids))

@@ -79,7 +79,8 @@ class GuideFactory:
 
 
 def apply_guides(logits: torch.Tensor, guides: list[Guide]) -> torch.Tensor:
-    """logits: (rows, vocab), row i constrained by guides[i]; disallowed tokens get -inf."""
+    """logits: (rows, vocab), row i constrained by guides[i]; disallowed tokens get -inf, in
+    place."""
     num_rows, vocab = logits.shape
     words = -(-vocab // BITS)
     bitmask = torch.empty((num_rows, words), dtype=torch.int32)
@@ -87,4 +88,4 @@ def apply_guides(logits: torch.Tensor, guides: list[Guide]) -> torch.Tensor:
         guide.fill_bitmask(bitmask[i])
     shifts = torch.arange(BITS, dtype=torch.int32)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(num_rows, words * BITS)
-    return logits.masked_fill(~allowed[:, :vocab].to(logits.device), float("-inf"))
+    return logits.masked_fill_(~allowed[:, :vocab].to(logits.device), float("-inf"))

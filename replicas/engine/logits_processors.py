@@ -6,6 +6,8 @@ per-request values become (rows,) tensors and the token lists become one flat in
 batch of 32 requests costs a handful of tensor operations, not 32 of each. A row whose
 parameter is neutral (penalty 1 or 0, no bias) comes out unchanged. The sampler calls them
 only for the rows that asked for something, so a batch without these features pays nothing.
+``apply_logit_bias`` and ``apply_penalties`` change the logits they are given, in place, and
+return them (the sampler owns its copy: a (32, 49152) copy costs more than the work itself).
 
 The penalty formulas are vLLM's (``vllm/model_executor/layers/utils.py``): first the
 repetition penalty over the prompt and the output (transformers'
@@ -39,29 +41,33 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     rows, tokens = _flat_index([[t for t, _ in b] for b in biases], logits.device)
     values = torch.tensor([v for _, v in chain.from_iterable(biases)], dtype=logits.dtype,
                           device=logits.device)
-    return logits.index_put((rows, tokens), values, accumulate=True)
+    return logits.index_put_((rows, tokens), values, accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """logits: (rows, vocab), row i for seqs[i]; repetition, frequency and presence."""
-    num_rows, vocab = logits.shape
+    """logits: (rows, vocab), row i for seqs[i]; repetition, frequency and presence.
+
+    Only the (row, token) places of tokens a row has seen are read and written, so the cost
+    follows the number of tokens, not rows x vocab.
+    """
+    vocab = logits.shape[1]
     device, dtype = logits.device, logits.dtype
     repetition = torch.tensor([s.sampling.repetition_penalty for s in seqs], dtype=dtype,
-                              device=device)[:, None]
-    seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)
-    seen[_flat_index([s.token_ids for s in seqs], device)] = True  # prompt and output
-    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen, penalized, logits)
+                              device=device)
+    rows, tokens = _flat_index([s.token_ids for s in seqs], device)  # prompt and output
+    seen = logits[rows, tokens]  # a token seen twice is read and written twice, the same way
+    factor = repetition[rows]
+    logits[rows, tokens] = torch.where(seen > 0, seen / factor, seen * factor)
 
-    counts = torch.zeros(num_rows, vocab, dtype=dtype, device=device)  # output tokens only
-    rows, tokens = _flat_index([s.output_token_ids for s in seqs], device)
-    counts.index_put_((rows, tokens), torch.ones(len(tokens), dtype=dtype, device=device),
-                      accumulate=True)
+    rows, tokens = _flat_index([s.output_token_ids for s in seqs], device)  # output only
+    places, counts = torch.unique(rows * vocab + tokens, return_counts=True)
+    rows, tokens = places // vocab, places % vocab
     frequency = torch.tensor([s.sampling.frequency_penalty for s in seqs], dtype=dtype,
-                             device=device)[:, None]
+                             device=device)
     presence = torch.tensor([s.sampling.presence_penalty for s in seqs], dtype=dtype,
-                            device=device)[:, None]
-    return logits - frequency * counts - presence * (counts > 0).to(dtype)
+                            device=device)
+    logits[rows, tokens] -= frequency[rows] * counts.to(dtype) + presence[rows]
+    return logits
 
 
 def apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:

@@ -122,18 +122,21 @@ def _process(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     if not rows:
         return logits
     logits = logits.clone()  # the caller keeps the unprocessed logits for logprobs
-    for wants, apply in ((lambda s: bool(s.sampling.logit_bias), apply_logit_bias),
-                         (lambda s: s.sampling.has_penalties, apply_penalties)):
+    steps = ((lambda s: bool(s.sampling.logit_bias), apply_logit_bias),
+             (lambda s: s.sampling.has_penalties, apply_penalties),
+             (lambda s: s.guide is not None, _apply_guides))
+    for wants, apply in steps:
         chosen = [i for i in rows if wants(seqs[i])]
-        if chosen:
+        if len(chosen) == len(seqs):  # every row: no gather and scatter of the rows
+            apply(logits, seqs)
+        elif chosen:
             index = torch.tensor(chosen, device=logits.device)
             logits[index] = apply(logits[index], [seqs[i] for i in chosen])
-    guided = [i for i in rows if seqs[i].guide is not None]
-    if guided:
-        index = torch.tensor(guided, device=logits.device)
-        guides = [g for i in guided if (g := seqs[i].guide) is not None]
-        logits[index] = apply_guides(logits[index], guides)
     return logits
+
+
+def _apply_guides(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    return apply_guides(logits, [s.guide for s in seqs if s.guide is not None])
 
 
 def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -3,8 +3,9 @@
 --   fs:{t}:queue, fs:{t}:budget:<day>, fs:{t}:req:<id>; writes fs:{t}:req:<id>, fs:{t}:queue,
 --   fs:{t}:state (GCRA times), fs:{t}:budget:<day>, fs:{t}:stats, fs:{sched}:ready:<class>,
 --   fs:{sched}:classes.
--- ARGV: 2 tenant, 3 request id, 4 prompt tokens, 5 max_tokens, 6 expected output tokens,
---   7 body (opaque), 8 meta (opaque), 9 retry-after ms when the queue is full.
+-- ARGV: 2 tenant, 3 request id, 4 prompt tokens, 5 max_tokens (per choice), 6 expected output
+--   tokens (per choice), 7 body (opaque), 8 meta (opaque), 9 retry-after ms when the queue is
+--   full, 10 choices (n; the output is reserved and costed n times, the prompt once).
 -- Returns one of
 --   {"admitted", queue depth after the push}
 --   {"duplicate", state}                  the id is known and its body is the same: no second copy
@@ -15,6 +16,7 @@
 local t, rid = ARGV[2], ARGV[3]
 local prompt, max_tokens, expected = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local body, meta, full_retry_ms = ARGV[7], ARGV[8], tonumber(ARGV[9])
+local choices = tonumber(ARGV[10] or '1')
 local now = clock_ms()
 
 local rk = key('request', t, rid)
@@ -28,7 +30,7 @@ end
 local tenant, err = load_tenant(t, true)
 if not tenant then return err end
 if tenant.disabled then return {'refused', 'disabled', 0} end
-local reserved = prompt + max_tokens
+local reserved = prompt + choices * max_tokens
 if tenant.max_tokens and max_tokens > tenant.max_tokens then
   return {'too_large', 'max_tokens', tenant.max_tokens}
 end
@@ -79,7 +81,7 @@ redis.call('INCRBY', bk, reserved)
 redis.call('EXPIRE', bk, K.budget_ttl_s)
 redis.call('HSET', rk, 'tenant', t, 'id', rid, 'state', 'queued', 'body', body, 'body_sha1', digest,
            'meta', meta, 'prompt_tokens', prompt, 'max_tokens', max_tokens,
-           'cost', prompt + expected, 'reserved', reserved, 'day', day, 'priority', tenant.priority,
+           'cost', prompt + choices * expected, 'reserved', reserved, 'day', day, 'priority', tenant.priority,
            'created_ms', now, 'deliveries', 0, 'cancel', 0)
 local depth = redis.call('RPUSH', key('queue', t), rid)
 redis.call('HSET', rk, 'admit_depth', depth)

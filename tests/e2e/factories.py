@@ -15,6 +15,7 @@ from cluster.redis_server import free_port
 from cluster.settings import load_settings
 from router import keys
 from router.capacity import ReplicaLoad, read_loads
+from router.prompt_tokenizer import ModelInfo
 from router.redis_client import connect
 from router.scripts import Scripts
 from router.tenants import Tenant, TenantStore
@@ -39,6 +40,11 @@ class E2ECluster:
     def async_client(self, key: str | None = None, **kwargs: Any) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=key or self.demo_key,
                                   max_retries=0, timeout=600, **kwargs)
+
+    @property
+    def model_info(self) -> ModelInfo:
+        assert self.launcher.model_info is not None
+        return self.launcher.model_info
 
     def add_tenant(self, tenant: Tenant) -> str:
         """Create (or replace) a tenant; returns a new API key of it."""

@@ -55,8 +55,8 @@ def reference_penalties(logits: torch.Tensor, seqs: list) -> torch.Tensor:
 @pytest.mark.parametrize("seed", range(5))
 def test_penalties_equal_transformers_and_the_documented_formula(seed: int) -> None:
     logits, seqs = batch(seed)
-    assert torch.allclose(apply_penalties(logits, seqs), reference_penalties(logits, seqs),
-                          atol=1e-6)
+    assert torch.allclose(apply_penalties(logits.clone(), seqs),
+                          reference_penalties(logits, seqs), atol=1e-6)
 
 
 def test_neutral_rows_are_untouched_and_penalties_change_the_pick() -> None:
@@ -66,7 +66,7 @@ def test_neutral_rows_are_untouched_and_penalties_change_the_pick() -> None:
     neutral = make_sequence("a", token_ids=[5, 5])
     penalized = make_sequence("b", token_ids=[1], frequency_penalty=0.5)
     penalized.append_token(5)
-    out = apply_penalties(logits, [neutral, penalized])
+    out = apply_penalties(logits.clone(), [neutral, penalized])
     assert torch.equal(out[0], logits[0])
     assert out[1].argmax() == 6 and out[1, 5] == 2.5
 
@@ -76,7 +76,7 @@ def test_logit_bias_adds_per_row_and_minus_100_bans() -> None:
     seqs = [make_sequence("a", token_ids=[1], logit_bias=((3, 5.0), (7, -100.0))),
             make_sequence("b", token_ids=[1]),
             make_sequence("c", token_ids=[1], logit_bias=((3, -1.5),))]
-    out = apply_logit_bias(logits, seqs)
+    out = apply_logit_bias(logits.clone(), seqs)
     assert out[0, 3] == 5.0 and out[0, 7] == -100.0 and out[2, 3] == -1.5
     assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(out) == 3
 
