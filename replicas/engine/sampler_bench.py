@@ -57,7 +57,8 @@ def time_sampler(vocab: int, seqs: list[Sequence]) -> tuple[float, float]:
     sampler = Sampler((0,), torch.device("cpu"))
     logits = torch.randn(len(seqs), vocab, generator=torch.Generator().manual_seed(0))
     real = sampler_module._process
-    whole, bypassed = [], []
+    whole: list[float] = []
+    bypassed: list[float] = []
     try:
         for _ in range(MICRO_ROUNDS):
             for times, hook in ((whole, real), (bypassed, _identity)):
