@@ -238,3 +238,24 @@ def test_malformed_limiter_state_is_a_clear_error_and_writes_nothing(redis_url) 
             assert await h.queues.depth("acme") == 0
 
     run(scenario())
+
+
+def test_n_choices_reserve_and_cost_the_output_n_times_the_prompt_once(redis_url) -> None:
+    async def scenario() -> None:
+        async with harness(redis_url) as h:
+            await add_tenants(h, Tenant(id="acme", tpm=1000, max_tokens=100))
+            await h.queues.admit(make_request("acme", "n3", prompt_tokens=40, max_tokens=100,
+                                              num_choices=3))
+            record = await h.queues.get("acme", "n3")
+            assert record.reserved_tokens == 40 + 3 * 100
+            backlog = {b.tenant_id: b for b in await h.queues.backlog()}
+            assert backlog["acme"].queued_tokens == 40 + 3 * 100
+            # the tenant's max_tokens cap is per choice; TPM sees all the choices
+            with pytest.raises(RequestTooLargeError, match="tpm"):
+                await h.queues.admit(make_request("acme", "n10", prompt_tokens=40,
+                                                  max_tokens=100, num_choices=10))
+            grants = await _grant_all(h)
+            refund = await h.queues.complete(grants[0].lease, 40, 3 * 60, "stop")
+            assert refund == 3 * 40
+
+    run(scenario())
