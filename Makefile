@@ -40,13 +40,13 @@ bench: $(STAMP)
 	$(PY) -m replicas.engine.bench
 
 bench-cluster: $(STAMP)
-	$(PY) -m cluster.bench
+	$(PY) -m cluster.benchmarks.cluster_bench
 
 bench-tracing: $(STAMP)
-	$(PY) -m cluster.trace_bench
+	$(PY) -m cluster.benchmarks.trace_bench
 
 bench-autoscale: $(STAMP)
-	$(PY) -m cluster.autoscale_bench
+	$(PY) -m cluster.benchmarks.autoscale_bench
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check router replicas cluster tests

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.durability import crash_trial
+from cluster.benchmarks.durability import crash_trial
 from cluster.redis_server import AppendFsync, EmbeddedRedis
 from router import keys
 from router.messages import RequestState

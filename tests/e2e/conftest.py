@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from cluster.otlp_receiver import OtlpReceiver
+from cluster.benchmarks.otlp_receiver import OtlpReceiver
 from tests.e2e.factories import E2ECluster, start_cluster
 
 

@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import set_span_in_context
 
-from cluster.otlp_receiver import OtlpReceiver, ReceivedSpan
+from cluster.benchmarks.otlp_receiver import OtlpReceiver, ReceivedSpan
 from router.tenants import Tenant
 from tests.e2e.factories import MODEL, E2ECluster
 

@@ -1,7 +1,7 @@
 """Cluster benchmark: the same workload directly against the engine and through the cluster's
 HTTP API (one replica), in one run.
 
-    python -m cluster.bench [--requests 32] [--prompt-tokens 100] [--output-tokens 64]
+    python -m cluster.benchmarks.cluster_bench [--requests 32] [--prompt-tokens 100] [--output-tokens 64]
                             [--concurrency 1 32] [--repeats 3] [--threads 2]
 
 Workload (as ``replicas.engine.bench``): distinct prompts of exactly ``--prompt-tokens`` tokens,
@@ -15,7 +15,7 @@ carries it; its text may be empty while a character is incomplete). Runs
 alternate direct and cluster, with fresh prompts each run (no prefix-cache help); the table
 shows the median run of each.
 
-Beside them, the latency floor of the cluster's shape (``cluster/serve_floor.py``): the same two
+Beside them, the latency floor of the cluster's shape (``cluster/benchmarks/serve_floor.py``): the same two
 Ray Serve hops with no work at either end, so the added TTFT splits into what Ray Serve costs on
 this machine and what fairserve adds on top.
 """
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 
-from cluster import serve_floor
+from cluster.benchmarks import serve_floor
 from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.redis_server import free_port
 from cluster.settings import FairserveSettings, load_settings
@@ -154,7 +154,7 @@ async def measure(args: argparse.Namespace, base_url: str, key: str, model: str
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    """The workload of the cluster benchmarks (this one and ``cluster.trace_bench``)."""
+    """The workload of the cluster benchmarks (this one and ``cluster.benchmarks.trace_bench``)."""
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--output-tokens", type=int, default=64)

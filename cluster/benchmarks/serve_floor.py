@@ -1,6 +1,6 @@
 """The latency floor of the cluster's shape: the same two Ray Serve hops a request takes (HTTP
 proxy → ingress replica, then a streaming handle call to a second deployment), with no work
-at either end. ``cluster.bench`` runs it beside the cluster so the table shows how much of the
+at either end. ``cluster.benchmarks.cluster_bench`` runs it beside the cluster so the table shows how much of the
 added time-to-first-token Ray Serve itself costs on the machine at hand.
 
 The ingress answers ``POST /`` with an SSE stream whose first event is the first item the

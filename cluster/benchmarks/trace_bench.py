@@ -1,10 +1,10 @@
 """The throughput cost of tracing: the cluster benchmark's workload, traced and untraced, in one
 run on one cluster.
 
-    python -m cluster.trace_bench [--requests 32] [--prompt-tokens 100] [--output-tokens 64]
+    python -m cluster.benchmarks.trace_bench [--requests 32] [--prompt-tokens 100] [--output-tokens 64]
                                   [--concurrency 1 32] [--repeats 3] [--threads 2]
 
-The cluster (one replica, one router, as ``cluster.bench``) runs with tracing on, exporting
+The cluster (one replica, one router, as ``cluster.benchmarks.cluster_bench``) runs with tracing on, exporting
 over OTLP/HTTP to a receiver in this process that decodes every span. Runs alternate:
 *traced* requests carry no ``traceparent``, so each is a new, sampled trace (full sampling:
 server, queue, dispatch, engine queue, prefill and decode spans, all exported); *untraced*
@@ -24,9 +24,15 @@ import tempfile
 
 import openai
 
-from cluster.bench import Run, add_workload_args, bench_settings, median_run, run_cluster
+from cluster.benchmarks.cluster_bench import (
+    Run,
+    add_workload_args,
+    bench_settings,
+    median_run,
+    run_cluster,
+)
+from cluster.benchmarks.otlp_receiver import OtlpReceiver
 from cluster.launcher import LocalCluster, add_tenant_with_key
-from cluster.otlp_receiver import OtlpReceiver
 from cluster.settings import load_settings
 from replicas.engine.bench import make_prompts
 from replicas.engine.loader import load_model_source

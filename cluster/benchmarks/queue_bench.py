@@ -1,6 +1,6 @@
 """Benchmark of the tenant queues against the embedded redis-server, beside redis-benchmark.
 
-    python -m cluster.queue_bench [--requests 40000] [--workers 2] [--batch 32] [--rounds 3]
+    python -m cluster.benchmarks.queue_bench [--requests 40000] [--workers 2] [--batch 32] [--rounds 3]
 
 One run starts one embedded server and measures, on it:
 

@@ -1,6 +1,6 @@
 """Autoscaling reaction time: from a backlog rising to a new replica serving, phase by phase.
 
-    python -m cluster.autoscale_bench [--rounds 3] [--burst 60] [--output-tokens 64]
+    python -m cluster.benchmarks.autoscale_bench [--rounds 3] [--burst 60] [--output-tokens 64]
                                       [--variants prepared gguf]
 
 One cluster (``fairserve``'s launcher: embedded Redis, local Ray of 2 CPUs, the default model,

@@ -2,7 +2,7 @@
 redis-server mid-stream, restart it on the same data directory, and count the acknowledged
 admissions that did not survive.
 
-    python -m cluster.durability [--trials 5] [--kill-after-s 1.0]
+    python -m cluster.benchmarks.durability [--trials 5] [--kill-after-s 1.0]
 
 prints, per ``appendfsync`` policy, the acknowledged admissions and how many were lost. The
 chaos tests assert zero loss with ``always``; with ``everysec`` the table is the measured window.
