@@ -32,7 +32,7 @@ from router.api_keys import ApiKeys
 from router.prompt_tokenizer import ModelInfo
 from router.redis_client import connect, wait_loaded
 from router.scripts import Scripts
-from router.tenants import Tenant, TenantStore, load_tenants_file
+from router.tenants import Tenant, TenantStore, load_tenants, load_tenants_file
 
 logger = logging.getLogger(__name__)
 
@@ -144,10 +144,9 @@ class LocalCluster:
             scripts = Scripts(client)
             store = TenantStore(scripts)
             if s.tenants.file is not None:
-                tenants = load_tenants_file(s.tenants.file)
-                created, updated = await store.load(tenants)
-                self.progress(f"tenants from {s.tenants.file}: {created} created, "
-                              f"{updated} updated")
+                result = await load_tenants(scripts, load_tenants_file(s.tenants.file))
+                self.progress(f"tenants from {s.tenants.file}: {result.num_created} created, "
+                              f"{result.num_updated} updated, {result.num_keys_added} keys added")
             if not s.tenants.create_demo:
                 return None
             key_file = s.state_dir / DEMO_KEY_FILE

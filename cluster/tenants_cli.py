@@ -20,13 +20,14 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+import yaml
 from pydantic import ValidationError
 
-from router.api_keys import ApiKeys
+from router.api_keys import ApiKeys, digest, new_key
 from router.errors import InvalidRequestError, RouterError
 from router.redis_client import connect
 from router.scripts import Scripts
-from router.tenants import Tenant, TenantStore, load_tenants_file
+from router.tenants import Tenant, TenantStore, load_tenants, load_tenants_file
 
 REDIS_URL_ENV = "FAIRSERVE_REDIS_URL"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -84,9 +85,17 @@ def add_tenants_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     revoke.add_argument("tenant_id", metavar="ID")
     revoke.add_argument("key_id", metavar="KEY_ID")
 
-    load = _command(commands, common, "load", "create or replace the tenants of a YAML file",
-                    _load)
+    load = _command(commands, common, "load", "create or replace the tenants of a YAML file "
+                    "(and add the API key digests it lists)", _load)
     load.add_argument("path", metavar="FILE")
+
+    new = commands.add_parser(
+        "key-new", help="make a key here, store nothing; print its tenants-file entry",
+        description="make a key here and print it, and its tenants-file entry (the digest "
+        "only) for a Kubernetes Secret; nothing is stored")
+    new.add_argument("tenant_id", metavar="ID")
+    new.add_argument("--label", default="", help="a note stored with the key")
+    new.set_defaults(func=key_new)
 
 
 def _command(
@@ -242,12 +251,29 @@ async def _key_revoke(admin: Admin, args: argparse.Namespace) -> int:
 
 async def _load(admin: Admin, args: argparse.Namespace) -> int:
     try:
-        tenants = load_tenants_file(args.path)
+        document = load_tenants_file(args.path)
     except OSError as exc:
         raise InvalidRequestError(f"cannot read {args.path}: {exc.strerror or exc}",
                                   param="path") from None
-    created, updated = await admin.tenants.load(tenants)
-    print(f"loaded {len(tenants)} tenants from {args.path}: {created} created, {updated} updated")
+    result = await load_tenants(admin.tenants.scripts, document)
+    print(f"loaded {len(document.tenants)} tenants from {args.path}: {result.num_created} "
+          f"created, {result.num_updated} updated; {result.num_keys_added} API keys added")
+    return 0
+
+
+def key_new(args: argparse.Namespace) -> int:
+    """A new key made here, stored nowhere: the key on stdout, its tenants-file entry (the
+    digest) on stderr, for a Kubernetes Secret that bootstraps the tenants."""
+    try:
+        tenant_id = _validated({"id": args.tenant_id}).id
+    except InvalidRequestError as exc:
+        return _fail(exc.message)
+    key_id, secret = new_key()
+    print(secret)
+    entry = yaml.safe_dump({"tenants": [{"id": tenant_id, "api_keys": [
+        {"id": key_id, "sha256": digest(secret), "label": args.label}]}]}, sort_keys=False)
+    print(f"key {key_id} for tenant {tenant_id}; nothing was stored. Its entry in a tenants "
+          f"file (the digest only):\n{entry}", file=sys.stderr, end="")
     return 0
 
 

@@ -52,6 +52,12 @@ def digest(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()
 
 
+def new_key() -> tuple[str, str]:
+    """A fresh (key id, whole key); nothing is stored."""
+    key_id = secrets.token_hex(KEY_ID_HEX_CHARS // 2)
+    return key_id, f"{KEY_PREFIX}{key_id}-{secrets.token_urlsafe(KEY_SECRET_BYTES)}"
+
+
 class ApiKeys:
     def __init__(self, scripts: Scripts) -> None:
         self.scripts = scripts
@@ -59,14 +65,29 @@ class ApiKeys:
 
     async def create(self, tenant_id: str, label: str = "") -> CreatedKey:
         keys.check_tenant_id(tenant_id)
-        key_id = secrets.token_hex(KEY_ID_HEX_CHARS // 2)
-        secret = f"{KEY_PREFIX}{key_id}-{secrets.token_urlsafe(KEY_SECRET_BYTES)}"
+        key_id, secret = new_key()
         reply = await self.scripts.run(Script.KEY_CREATE, tenant_id, key_id, digest(secret), label)
         if reply[0] == b"missing":
             raise NotFoundError(f"unknown tenant {tenant_id!r}", param="tenant")
         if reply[0] == b"exists":  # a random collision: vanishingly rare, never silent
             raise ConflictError("key id collision; create the key again", param="key_id")
         return CreatedKey(tenant_id, key_id, secret)
+
+    async def add_digest(self, tenant_id: str, key_id: str, sha256: str, label: str = "") -> bool:
+        """Store a key known only by its digest (a tenants file's ``api_keys``); True if it was
+        added, False if that very key was there already. The same key id or digest with
+        anything else is a conflict, never an overwrite."""
+        keys.check_tenant_id(tenant_id)
+        reply = await self.scripts.run(Script.KEY_CREATE, tenant_id, key_id, sha256, label)
+        if reply[0] == b"missing":
+            raise NotFoundError(f"unknown tenant {tenant_id!r}", param="tenant")
+        if reply[0] == b"ok":
+            return True
+        stored = cast(bytes | None, await self.client.hget(keys.api_keys(tenant_id), key_id))
+        if stored is not None and stored.decode() == sha256:
+            return False
+        raise ConflictError(f"key {key_id!r} of tenant {tenant_id!r}: its id or digest is taken "
+                            "by another key", param="api_keys")
 
     async def revoke(self, tenant_id: str, key_id: str) -> None:
         keys.check_tenant_id(tenant_id)

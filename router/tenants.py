@@ -13,11 +13,21 @@ Limits left unset are unlimited. Tenants can be loaded from a YAML file::
         daily_tokens: 5000000
         max_tokens: 2048
         max_queued: 500
+        api_keys:          # optional: keys known by their SHA-256 digest only
+          - {id: 3f2a9c01, sha256: 9b7e...64 hex..., label: ci}
+
+A file with ``api_keys`` is how a deployment bootstraps its tenants and keys from a Kubernetes
+Secret without a secret ever being written down: ``fairserve tenants key-new ID`` makes a key
+and prints the entry with its digest (``cluster/tenants_cli.py``). Loading is idempotent:
+tenants are upserted, a key already there is left alone, a key id or digest taken by another
+key is a conflict.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -26,12 +36,16 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from router import keys
+from router.api_keys import KEY_ID_HEX_CHARS, ApiKeys
 from router.errors import ConflictError, InvalidRequestError, NotFoundError, StoredDataError
 from router.scripts import Script, Scripts
 
 MAX_PRIORITY = 9
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_MAX_QUEUED = 1000
+MAX_KEY_LABEL_CHARS = 200
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+KEY_ID = re.compile(rf"^[0-9a-f]{{{KEY_ID_HEX_CHARS}}}$")
 
 
 class Tenant(BaseModel):
@@ -91,8 +105,39 @@ class Tenant(BaseModel):
             raise StoredDataError(f"malformed tenant settings in {where}: {bad}") from None
 
 
-def parse_tenants_yaml(text: str, source: str = "tenants file") -> list[Tenant]:
-    """Tenants from YAML (a ``tenants:`` list); errors name the entry and the field."""
+class TenantKey(BaseModel):
+    """An API key of a tenants file: its id and the SHA-256 digest of the whole key."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(description=f"the key id: {KEY_ID_HEX_CHARS} hex digits")
+    sha256: str = Field(description="SHA-256 of the whole key, 64 lowercase hex digits")
+    label: str = Field("", max_length=MAX_KEY_LABEL_CHARS)
+
+    @field_validator("id")
+    @classmethod
+    def _check_id(cls, value: str) -> str:
+        if not KEY_ID.match(value):
+            raise ValueError(f"must be {KEY_ID_HEX_CHARS} lowercase hex digits")
+        return value
+
+    @field_validator("sha256")
+    @classmethod
+    def _check_digest(cls, value: str) -> str:
+        if not SHA256_HEX.match(value):
+            raise ValueError("must be 64 lowercase hex digits (the digest, never the key)")
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class TenantsDocument:
+    tenants: list[Tenant]
+    api_keys: list[tuple[str, TenantKey]]  # (tenant id, key)
+
+
+def parse_tenants_yaml(text: str, source: str = "tenants file") -> TenantsDocument:
+    """Tenants and their key digests from YAML (a ``tenants:`` list); errors name the entry
+    and the field."""
     try:
         document = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -101,26 +146,60 @@ def parse_tenants_yaml(text: str, source: str = "tenants file") -> list[Tenant]:
         raise InvalidRequestError(f"{source}: expected a mapping with a 'tenants' list",
                                   param="tenants")
     tenants: list[Tenant] = []
+    api_keys: list[tuple[str, TenantKey]] = []
     for index, entry in enumerate(document["tenants"]):
-        try:
-            tenants.append(Tenant.model_validate(entry))
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            field = ".".join(str(p) for p in first["loc"]) or "entry"
-            raise InvalidRequestError(
-                f"{source}: tenants[{index}].{field}: {first['msg']}",
-                param=f"tenants[{index}].{field}",
-            ) from None
-    ids = [t.id for t in tenants]
-    duplicates = sorted({i for i in ids if ids.count(i) > 1})
-    if duplicates:
-        raise InvalidRequestError(f"{source}: duplicate tenant ids {duplicates}", param="tenants")
-    return tenants
+        where = f"tenants[{index}]"
+        fields = dict(entry) if isinstance(entry, dict) else entry
+        key_entries: Any = []
+        if isinstance(fields, dict):
+            key_entries = fields.pop("api_keys", None) or []
+        tenant = _validated(Tenant, fields, source, where)
+        tenants.append(tenant)
+        if not isinstance(key_entries, list):
+            raise InvalidRequestError(f"{source}: {where}.api_keys: expected a list",
+                                      param=f"{where}.api_keys")
+        api_keys.extend((tenant.id, _validated(TenantKey, k, source, f"{where}.api_keys[{i}]"))
+                        for i, k in enumerate(key_entries))
+    for name, ids in (("tenant ids", [t.id for t in tenants]),
+                      ("key ids", [k.id for _, k in api_keys]),
+                      ("key digests", [k.sha256 for _, k in api_keys])):
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise InvalidRequestError(f"{source}: duplicate {name} {duplicates}", param="tenants")
+    return TenantsDocument(tenants, api_keys)
 
 
-def load_tenants_file(path: str | Path) -> list[Tenant]:
+def _validated(model: type[BaseModel], entry: Any, source: str, where: str) -> Any:
+    try:
+        return model.model_validate(entry)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "entry"
+        message = first["msg"].removeprefix("Value error, ")
+        raise InvalidRequestError(f"{source}: {where}.{field}: {message}",
+                                  param=f"{where}.{field}") from None
+
+
+def load_tenants_file(path: str | Path) -> TenantsDocument:
     path = Path(path)
     return parse_tenants_yaml(path.read_text(), source=str(path))
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    num_created: int
+    num_updated: int
+    num_keys_added: int
+
+
+async def load_tenants(scripts: Scripts, document: TenantsDocument) -> LoadResult:
+    """Upsert the tenants of a document, then add its keys (those there already stay)."""
+    created, updated = await TenantStore(scripts).load(document.tenants)
+    api_keys = ApiKeys(scripts)
+    added = 0
+    for tenant_id, key in document.api_keys:
+        added += await api_keys.add_digest(tenant_id, key.id, key.sha256, key.label)
+    return LoadResult(created, updated, added)
 
 
 class TenantStore:

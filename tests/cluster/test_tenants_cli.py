@@ -240,3 +240,20 @@ def test_the_tenants_cli_does_not_import_torch() -> None:
     code = ("import sys; from cluster.cli import main; import cluster.tenants_cli; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_key_new_stores_nothing_and_its_entry_loads_a_working_key(redis_url, redis_client,
+                                                                  tmp_path, capsys) -> None:
+    assert main(["tenants", "key-new", "acme", "--label", "k8s"]) == 0
+    captured = capsys.readouterr()
+    secret = captured.out.strip()
+    entry = captured.err[captured.err.index("tenants:"):]
+    assert redis_client.dbsize() == 0  # made here, stored nowhere
+    assert secret not in entry  # the file holds the digest only
+    path = tmp_path / "tenants.yaml"
+    path.write_text(entry)
+    assert tenants(redis_url, "load", str(path)) == 0
+    assert "1 API keys added" in capsys.readouterr().out
+    assert authenticate(redis_url, secret).tenant_id == "acme"
+    assert main(["tenants", "key-new", "Not A Tenant"]) == 1
+    assert "id" in one_error_line(capsys)

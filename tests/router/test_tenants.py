@@ -6,8 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
+from router import keys
+from router.api_keys import ApiKeys, digest, new_key
 from router.errors import (
     ConflictError,
     InvalidRequestError,
@@ -15,10 +18,13 @@ from router.errors import (
     PermissionDeniedError,
     StoredDataError,
 )
+from router.redis_client import connect
+from router.scripts import Scripts
 from router.tenants import (
     DEFAULT_MAX_QUEUED,
     DEFAULT_MAX_TOKENS,
     Tenant,
+    load_tenants,
     load_tenants_file,
     parse_tenants_yaml,
 )
@@ -126,8 +132,10 @@ def test_ids_that_could_break_a_key_name_are_refused(redis_url, tenant_id) -> No
 def test_a_valid_yaml_file_gives_its_tenants(tmp_path: Path) -> None:
     path = tmp_path / "tenants.yaml"
     path.write_text("tenants:\n  - id: acme\n    weight: 2\n    rpm: 600\n  - id: beta\n")
-    assert load_tenants_file(path) == [Tenant(id="acme", weight=2, rpm=600), Tenant(id="beta")]
-    assert parse_tenants_yaml("tenants: []") == []
+    document = load_tenants_file(path)
+    assert document.tenants == [Tenant(id="acme", weight=2, rpm=600), Tenant(id="beta")]
+    assert document.api_keys == []
+    assert parse_tenants_yaml("tenants: []").tenants == []
 
 
 @pytest.mark.parametrize(
@@ -142,6 +150,11 @@ def test_a_valid_yaml_file_gives_its_tenants(tmp_path: Path) -> None:
         ("tenants:\n  - id: Acme\n", "tenants[0].id"),
         ("tenants:\n  - acme\n", "tenants[0]"),
         ("tenants:\n  - id: acme\n  - id: beta\n    priority: 12\n", "tenants[1].priority"),
+        ("tenants:\n  - id: acme\n    api_keys: [{id: 0123abcd, sha256: fs-0123abcd-secret}]\n",
+         "tenants[0].api_keys[0].sha256: must be 64 lowercase hex digits"),
+        ("tenants:\n  - id: acme\n    api_keys: [{id: key1, sha256: " + "a" * 64 + "}]\n",
+         "tenants[0].api_keys[0].id"),
+        ("tenants:\n  - id: acme\n    api_keys: {id: 0123abcd}\n", "tenants[0].api_keys"),
     ],
 )
 def test_yaml_errors_name_the_entry_and_field(text, named) -> None:
@@ -239,5 +252,34 @@ def test_priority_change_of_an_idle_tenant_leaves_the_classes_alone(redis_url,
             await h.tenants.update("beta", priority=5)
             assert redis_client.zrange("fs:{sched}:classes", 0, -1) == [b"0"]
             assert [g.request_id for g in (await h.queues.grant("d", 10)).grants] == ["a0"]
+
+    run(scenario())
+
+
+def test_a_file_bootstraps_tenants_and_their_key_digests_idempotently(redis_url) -> None:
+    key_id, secret = new_key()
+    text = yaml.safe_dump({"tenants": [{"id": "acme", "weight": 2, "api_keys": [
+        {"id": key_id, "sha256": digest(secret), "label": "ci"}]}, {"id": "beta"}]})
+    document = parse_tenants_yaml(text)
+
+    async def scenario() -> None:
+        client = connect(redis_url)
+        try:
+            scripts = Scripts(client)
+            first = await load_tenants(scripts, document)
+            assert (first.num_created, first.num_updated, first.num_keys_added) == (2, 0, 1)
+            again = await load_tenants(scripts, document)  # every deploy loads it again
+            assert (again.num_created, again.num_updated, again.num_keys_added) == (0, 2, 0)
+            principal = await ApiKeys(scripts).authenticate(secret)
+            assert (principal.tenant_id, principal.key_id) == ("acme", key_id)
+            stored = await client.hgetall(keys.api_keys("acme"))
+            assert secret.encode() not in b"".join([*stored.keys(), *stored.values()])
+            # the same key id with another digest is a conflict, never an overwrite
+            other = parse_tenants_yaml(text.replace(digest(secret), "f" * 64))
+            with pytest.raises(ConflictError):
+                await load_tenants(scripts, other)
+            assert (await ApiKeys(scripts).authenticate(secret)).tenant_id == "acme"
+        finally:
+            await client.aclose()
 
     run(scenario())
