@@ -47,7 +47,7 @@ def build_app(settings: FairserveSettings, model: ModelInfo, redis_url: str,
         **scaling,
         max_ongoing_requests=r.max_ongoing_requests,
         ray_actor_options={"num_cpus": r.num_cpus, "num_gpus": r.num_gpus,
-                           "runtime_env": otel_runtime_env()},
+                           "resources": dict(r.resources), "runtime_env": otel_runtime_env()},
         health_check_period_s=r.health_check_period_s,
         health_check_timeout_s=r.health_check_timeout_s,
         # Ray Serve's own wait comes on top of the replica's drain in __del__
@@ -62,7 +62,8 @@ def build_app(settings: FairserveSettings, model: ModelInfo, redis_url: str,
         name=ROUTER_DEPLOYMENT,
         num_replicas=ro.num_replicas,
         max_ongoing_requests=ro.max_ongoing_requests,
-        ray_actor_options={"num_cpus": ro.num_cpus, "runtime_env": otel_runtime_env()},
+        ray_actor_options={"num_cpus": ro.num_cpus, "resources": dict(ro.resources),
+                           "runtime_env": otel_runtime_env()},
     ).bind(replica, model, redis_url, api, settings.queues,  # type: ignore[attr-defined]
            ro.dispatch)
     return router

@@ -116,8 +116,9 @@ class LocalCluster:
 
     def _start_redis(self) -> str:
         s = self.settings
-        if s.redis.url:
-            return s.redis.url
+        given = s.redis.url_with_password()
+        if given:
+            return given
         self.progress("starting the embedded redis-server ...")
         self.redis = EmbeddedRedis(s.state_dir / "redis", port=s.redis.port,
                                    appendfsync=s.redis.appendfsync, progress=self.progress).start()

@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextvars
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -47,6 +48,9 @@ class ReplicaSettings(_Branch):
         "(the CPUs left after the routers, shared by the replicas, at most 1 each; "
         "cluster/placement.py)")
     num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each replica")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each replica needs (the Helm "
+        "chart's model worker groups advertise `fairserve_model`, so replicas land there)")
     max_ongoing_requests: int = Field(
         32, ge=1, le=4096,
         description="requests one replica takes at once; the dispatchers never lease more",
@@ -62,6 +66,9 @@ class ReplicaSettings(_Branch):
 class RouterSettings(_Branch):
     num_replicas: int = Field(1, ge=1, le=1024, description="router (ingress) replicas")
     num_cpus: float = Field(0.25, ge=0, description="CPUs Ray reserves for each router")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each router needs (the Helm "
+        "chart's router worker group advertises `fairserve_router`)")
     host: str = Field("127.0.0.1", description="HTTP bind address of Ray Serve's proxy")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")
     max_ongoing_requests: int = Field(
@@ -75,10 +82,27 @@ class RedisSettings(_Branch):
     url: str | None = Field(
         None, description="an existing Redis (redis://, rediss://); none: start the embedded one"
     )
+    password: SecretStr | None = Field(
+        None, description="the password of `url`, when the URL has none (from "
+        "$FAIRSERVE_REDIS__PASSWORD, e.g. a Kubernetes secretKeyRef, so that the URL itself can "
+        "be written down)")
     port: int = Field(6390, ge=1, le=65535, description="port of the embedded redis-server")
     appendfsync: AppendFsync = Field(
         AppendFsync.EVERYSEC, description="AOF fsync policy of the embedded redis-server"
     )
+
+
+    def url_with_password(self) -> str | None:
+        """``url`` with ``password`` in it (when the URL has none of its own)."""
+        if self.url is None or self.password is None:
+            return self.url
+        parts = urlsplit(self.url)
+        if parts.password is not None:
+            return self.url
+        secret = quote(self.password.get_secret_value(), safe="")
+        user = quote(parts.username, safe="") if parts.username else ""
+        host = parts.netloc.rpartition("@")[2]
+        return urlunsplit(parts._replace(netloc=f"{user}:{secret}@{host}"))
 
 
 class RaySettings(_Branch):

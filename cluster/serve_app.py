@@ -1,0 +1,78 @@
+"""The Serve application as a Ray cluster deploys it from a config file: KubeRay's
+``serveConfigV2`` (the Helm chart renders it) or ``serve deploy``.
+
+    applications:
+      - name: fairserve
+        route_prefix: /
+        import_path: cluster.serve_app:build
+        args: {settings: {engine: {...}, replicas: {...}, router: {...}, queues: {...},
+                          redis: {url: redis://fairserve-redis:6379/0},
+                          tenants: {file: /etc/fairserve/tenants/tenants.yaml}}}
+
+``args.settings`` is the settings tree (``cluster/settings.py``), one to one, and goes through
+the same validation as ``fairserve up``'s, so a bad value fails the deploy with a message that
+names it. The ``FAIRSERVE_*`` environment of the Ray pods applies under it.
+
+NOTE: the config is plaintext in the RayService and on the Ray dashboard, so no secret may be in
+it. Secrets come from the pods' environment (Kubernetes ``secretKeyRef``s):
+``FAIRSERVE_REDIS__PASSWORD`` (put into ``redis.url``) or a whole ``FAIRSERVE_REDIS__URL`` when
+the chart leaves ``redis.url`` out. Tenants come from a mounted Secret named by
+``tenants.file``, holding hashed keys only (``router/tenants.py``), and are loaded on every
+deploy (idempotent).
+
+Ray Serve runs this builder as a task with no CPU (on the head, or any node), so what it reads
+(the model's tokenizer and config, the tenants file) must be on every Ray pod: the image's
+default model, a volume the chart mounts everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ray.serve import Application
+
+from cluster.app import build_app
+from cluster.settings import FairserveSettings, load_settings
+from replicas.model_info import describe_model
+from router.redis_client import connect, wait_loaded
+from router.scripts import Scripts
+from router.tenants import load_tenants, load_tenants_file
+
+logger = logging.getLogger(__name__)
+
+REDIS_WAIT_S = 120.0  # Redis may still be starting (or replaying its AOF) on a first install
+
+
+def build(args: dict[str, Any]) -> Application:
+    """The application of ``args.settings`` (Ray Serve's application builder)."""
+    unknown = set(args) - {"settings"}
+    if unknown:
+        raise ValueError(f"unknown application args {sorted(unknown)}: only 'settings' is taken")
+    settings = load_settings(**(args.get("settings") or {}))
+    redis_url = settings.redis.url_with_password()
+    if not redis_url:
+        raise ValueError("redis.url: a deployed cluster needs its Redis (set redis.url in the "
+                         "settings, or FAIRSERVE_REDIS__URL in the pods' environment)")
+    if settings.replicas.num_cpus is None:
+        raise ValueError("replicas.num_cpus: a deployed cluster's replicas need their CPUs "
+                         "set (only `fairserve up` fits them to the machine)")
+    asyncio.run(_prepare_redis(settings, redis_url))
+    model = describe_model(settings.engine)
+    logger.info("building %s: %d router(s), model %s", settings.app_name,
+                settings.router.num_replicas, settings.engine.model)
+    return build_app(settings, model, redis_url)
+
+
+async def _prepare_redis(settings: FairserveSettings, redis_url: str) -> None:
+    client = connect(redis_url)
+    try:
+        await wait_loaded(client, REDIS_WAIT_S, progress=lambda line: logger.info("%s", line))
+        if settings.tenants.file is not None:
+            result = await load_tenants(Scripts(client), load_tenants_file(settings.tenants.file))
+            logger.info("tenants from %s: %d created, %d updated, %d keys added",
+                        settings.tenants.file, result.num_created, result.num_updated,
+                        result.num_keys_added)
+    finally:
+        await client.aclose()
