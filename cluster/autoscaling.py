@@ -169,8 +169,10 @@ class BacklogPolicy:
         if self._client is None:
             import redis
 
-            self._client = redis.Redis.from_url(self.redis_url, socket_timeout=1,
-                                                socket_connect_timeout=1)
+            from router.redis_client import with_env_password
+
+            url = with_env_password(self.redis_url)  # the password never travels through Ray
+            self._client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
         return self._client
 
     def _read_backlog(self, now: float) -> tuple[int, int]:

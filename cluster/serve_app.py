@@ -62,7 +62,8 @@ def build(args: dict[str, Any]) -> Application:
     model = describe_model(settings.engine)
     logger.info("building %s: %d router(s), model %s", settings.app_name,
                 settings.router.num_replicas, settings.engine.model)
-    return build_app(settings, model, redis_url)
+    # the deployments get the URL as written; each adds the password from its own environment
+    return build_app(settings, model, settings.redis.url)
 
 
 async def _prepare_redis(settings: FairserveSettings, redis_url: str) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextvars
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import (
@@ -28,6 +27,7 @@ from replicas.engine.config import EngineConfig
 from replicas.engine.local_path import LocalPath, resolve_yaml_paths
 from router.config import ApiSettings, QueueSettings
 from router.dispatcher import DispatchSettings
+from router.redis_client import with_password
 
 DEFAULT_STATE_DIR = Path(".fairserve")  # cluster/cli.py spells it too (it must not import torch)
 _YAML_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("yaml", default=None)
@@ -94,15 +94,10 @@ class RedisSettings(_Branch):
 
     def url_with_password(self) -> str | None:
         """``url`` with ``password`` in it (when the URL has none of its own)."""
-        if self.url is None or self.password is None:
-            return self.url
-        parts = urlsplit(self.url)
-        if parts.password is not None:
-            return self.url
-        secret = quote(self.password.get_secret_value(), safe="")
-        user = quote(parts.username, safe="") if parts.username else ""
-        host = parts.netloc.rpartition("@")[2]
-        return urlunsplit(parts._replace(netloc=f"{user}:{secret}@{host}"))
+        if self.url is None:
+            return None
+        secret = self.password.get_secret_value() if self.password is not None else None
+        return with_password(self.url, secret)
 
 
 class RaySettings(_Branch):

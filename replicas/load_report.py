@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 
 from router import keys
 from router.capacity import ReplicaLoad
-from router.redis_client import connect
+from router.redis_client import connect, with_env_password
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 class LoadReporter:
     def __init__(self, redis_url: str, snapshot: Callable[[], ReplicaLoad],
                  interval_s: float = 0.5) -> None:
-        self.client: aioredis.Redis = connect(redis_url, socket_timeout=5)
+        self.client: aioredis.Redis = connect(with_env_password(redis_url), socket_timeout=5)
         self.snapshot = snapshot
         self.interval_s = interval_s
 

@@ -11,10 +11,11 @@ errors for bad arguments stay redis-py's.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import quote, urlparse, urlsplit, urlunsplit
 
 import hiredis
 import redis.asyncio as aioredis
@@ -36,6 +37,28 @@ class PackedConnection(aioredis.Connection):
 
 
 POOL_WAIT_S = 10.0  # how long a command waits for a free connection of a bounded pool
+PASSWORD_ENV = "FAIRSERVE_REDIS__PASSWORD"
+
+
+def with_password(url: str, password: str | None) -> str:
+    """``url`` with ``password`` in it, unless the URL has a password of its own."""
+    parts = urlsplit(url)
+    if not password or parts.password is not None:
+        return url
+    user = quote(parts.username, safe="") if parts.username else ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))
+
+
+def with_env_password(url: str) -> str:
+    """``url`` with the password of this process's environment (``FAIRSERVE_REDIS__PASSWORD``).
+
+    NOTE: the Redis password never travels through Ray. Deployment arguments, autoscaling
+    policy arguments and serveConfigV2 are visible on the Ray dashboard (and the last in the
+    RayService), so they carry the URL without it, and every process that connects (router,
+    replica, autoscaling policy) adds it from its own environment, which Kubernetes fills from
+    a Secret."""
+    return with_password(url, os.environ.get(PASSWORD_ENV))
 
 
 def connect(url: str, max_connections: int | None = None, **kwargs: Any) -> aioredis.Redis:

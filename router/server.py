@@ -30,7 +30,7 @@ from router.config import ApiSettings, QueueSettings
 from router.dispatcher import DispatchSettings
 from router.errors import ReplicaFailedError, ReplicaUnavailableError
 from router.prompt_tokenizer import ModelInfo
-from router.redis_client import connect
+from router.redis_client import connect, with_env_password
 from router.service import RouterOptions, RouterService
 from router.tracing import configure_tracing
 
@@ -84,7 +84,7 @@ class RouterServer:
             holder = f"router-{serve.get_replica_context().replica_id.unique_id}"
         except RayServeException:
             holder = f"router-{uuid.uuid4().hex[:12]}"
-        client = connect(redis_url, max_connections=REDIS_POOL_SIZE, socket_timeout=10,
+        client = connect(with_env_password(redis_url), max_connections=REDIS_POOL_SIZE, socket_timeout=10,
                          health_check_interval=30)
         tracing = configure_tracing("fairserve-router")
         self.service = RouterService(client, model, ServeReplicaPool(replicas), holder,
