@@ -51,8 +51,8 @@ def build(args: dict[str, Any]) -> Application:
     if unknown:
         raise ValueError(f"unknown application args {sorted(unknown)}: only 'settings' is taken")
     settings = load_settings(**(args.get("settings") or {}))
-    redis_url = settings.redis.url_with_password()
-    if not redis_url:
+    written_url, redis_url = settings.redis.url, settings.redis.url_with_password()
+    if not written_url or not redis_url:
         raise ValueError("redis.url: a deployed cluster needs its Redis (set redis.url in the "
                          "settings, or FAIRSERVE_REDIS__URL in the pods' environment)")
     if settings.replicas.num_cpus is None:
@@ -63,7 +63,7 @@ def build(args: dict[str, Any]) -> Application:
     logger.info("building %s: %d router(s), model %s", settings.app_name,
                 settings.router.num_replicas, settings.engine.model)
     # the deployments get the URL as written; each adds the password from its own environment
-    return build_app(settings, model, settings.redis.url)
+    return build_app(settings, model, written_url)
 
 
 async def _prepare_redis(settings: FairserveSettings, redis_url: str) -> None:
