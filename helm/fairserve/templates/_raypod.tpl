@@ -1,0 +1,142 @@
+{{/*
+The pod template of a Ray node (head, router group, model groups).
+
+KubeRay's rules (ray-operator/controllers/ray/utils/validation.go, common/pod.go): the Ray
+container is containers[0]; no probes of ours (KubeRay adds the Ray and Serve health probes) and
+no /dev/shm volume (KubeRay mounts one sized from the memory limit); memory requests equal
+limits. Only stable labels: this template is part of the cluster hash, and anything that changes
+with a chart upgrade (chart version, checksums) would rebuild the cluster.
+
+Arguments (a dict): root, component, image, resources {cpu, memory}, gpus, ephemeralStorage,
+nodeSelector, tolerations, affinity, runtimeClassName, priorityClassName,
+topologySpreadConstraints, ports (bool: the head's named ports).
+*/}}
+{{- define "fairserve.rayPodTemplate" -}}
+{{- $root := .root -}}
+{{- $v := $root.Values -}}
+metadata:
+  labels:
+    {{- include "fairserve.selectorLabels" $root | nindent 4 }}
+    app.kubernetes.io/component: {{ .component }}
+spec:
+  {{- with (include "fairserve.imagePullSecrets" $root) }}
+  {{- . | nindent 2 }}
+  {{- end }}
+  securityContext:
+    {{- toYaml $v.podSecurityContext | nindent 4 }}
+  automountServiceAccountToken: {{ eq .component "head" }}
+  terminationGracePeriodSeconds: {{ $v.ray.terminationGracePeriodSeconds }}
+  {{- with .priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
+  {{- with .runtimeClassName }}
+  runtimeClassName: {{ . }}
+  {{- end }}
+  {{- with .nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- $tolerations := .tolerations | default list }}
+  {{- if gt (int .gpus) 0 }}
+  {{- $tolerations = append $tolerations (dict "key" $v.ray.accelerator.resourceName "operator" "Exists" "effect" "NoSchedule") }}
+  {{- end }}
+  {{- with $tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .topologySpreadConstraints }}
+  topologySpreadConstraints:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumes:
+    # Ray's session files, Python's and HOME's (the root filesystem is read-only)
+    - name: tmp
+      emptyDir: {}
+    {{- if $v.tenants.existingSecret }}
+    - name: tenants
+      secret:
+        secretName: {{ $v.tenants.existingSecret }}
+        items:
+          - key: {{ $v.tenants.key }}
+            path: tenants.yaml
+    {{- end }}
+    {{- if eq $v.model.source "pvc" }}
+    - name: models
+      persistentVolumeClaim:
+        claimName: {{ include "fairserve.modelClaim" $root }}
+        readOnly: true
+    {{- end }}
+  containers:
+    - name: ray-{{ .component }}
+      image: {{ .image }}
+      imagePullPolicy: {{ $v.image.pullPolicy }}
+      securityContext:
+        {{- toYaml $v.securityContext | nindent 8 }}
+      {{- $limits := dict "cpu" .resources.cpu "memory" .resources.memory }}
+      {{- with .ephemeralStorage }}
+      {{- $_ := set $limits "ephemeral-storage" . }}
+      {{- end }}
+      {{- if gt (int .gpus) 0 }}
+      {{- $_ := set $limits $v.ray.accelerator.resourceName (toString .gpus) }}
+      {{- end }}
+      resources:
+        requests:
+          {{- toYaml $limits | nindent 10 }}
+        limits:
+          {{- toYaml $limits | nindent 10 }}
+      env:
+        - name: HOME
+          value: /tmp/home
+        - name: PYTHONDONTWRITEBYTECODE
+          value: "1"
+        {{- $secret := include "fairserve.redisPasswordSecret" $root }}
+        {{- if $secret }}
+        # the Redis password: from a Secret, never in serveConfigV2 (cluster/serve_app.py)
+        - name: FAIRSERVE_REDIS__PASSWORD
+          valueFrom:
+            secretKeyRef:
+              name: {{ $secret }}
+              key: {{ include "fairserve.redisPasswordKey" $root }}
+        {{- end }}
+        {{- with $v.telemetry.otlpEndpoint }}
+        - name: OTEL_EXPORTER_OTLP_ENDPOINT
+          value: {{ . | quote }}
+        - name: OTEL_EXPORTER_OTLP_PROTOCOL
+          value: {{ $v.telemetry.protocol | quote }}
+        - name: OTEL_TRACES_SAMPLER
+          value: {{ $v.telemetry.sampler | quote }}
+        - name: OTEL_TRACES_SAMPLER_ARG
+          value: {{ $v.telemetry.samplerArg | quote }}
+        {{- end }}
+        {{- with $v.ray.env }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- if .ports }}
+      ports:
+        - {name: gcs-server, containerPort: 6379}
+        - {name: dashboard, containerPort: 8265}
+        - {name: client, containerPort: 10001}
+        - {name: serve, containerPort: 8000}
+        - {name: metrics, containerPort: 8080}
+      {{- else }}
+      ports:
+        - {name: metrics, containerPort: 8080}
+      {{- end }}
+      volumeMounts:
+        - name: tmp
+          mountPath: /tmp
+        {{- if $v.tenants.existingSecret }}
+        - name: tenants
+          mountPath: /etc/fairserve/tenants
+          readOnly: true
+        {{- end }}
+        {{- if eq $v.model.source "pvc" }}
+        - name: models
+          mountPath: {{ $v.model.pvc.mountPath }}
+          readOnly: true
+        {{- end }}
+{{- end -}}
