@@ -193,13 +193,16 @@ class RouterGroup(_Values):
 
 
 class ModelGroup(_Values):
+    """A list item: Helm does not merge list items with defaults, so a group names its
+    name, maxReplicas and resources; the rest has defaults in the templates."""
+
     name: str = Field(pattern=DNS_LABEL, description="Group name (a DNS label).")
     minReplicas: int = Field(0, ge=0, description="Fewest pods (0: the group scales to zero "
                              "when idle).")
-    maxReplicas: int = Field(2, ge=1, description="Most pods.")
+    maxReplicas: int = Field(ge=1, description="Most pods.")
     gpus: int = Field(0, ge=0, le=64, description="GPUs per pod (0: a CPU group); requests = "
                       "limits of ray.accelerator.resourceName, and the GPU toleration.")
-    resources: CpuMemory = _resources("4", "16Gi")
+    resources: CpuMemory = Field(description="Resources of a pod (requests = limits).")
     ephemeralStorage: str = Field("10Gi", description="Scratch disk per pod (requests = "
                                   "limits): prepared weights, Ray's spill.")
     nodeSelector: dict[str, str] = Field(default_factory=dict, description="Node selector "
@@ -233,7 +236,9 @@ class Ray(_Values):
     autoscaler: Autoscaler = Field(default_factory=Autoscaler)
     routerGroup: RouterGroup = Field(default_factory=RouterGroup)
     modelGroups: list[ModelGroup] = Field(
-        default_factory=lambda: [ModelGroup(name="cpu")], min_length=1,
+        default_factory=lambda: [ModelGroup(name="cpu", maxReplicas=2,
+                                            resources=CpuMemory(cpu="4", memory="16Gi"))],
+        min_length=1,
         description="Model groups: worker pods for the model replicas (custom Ray resource "
         "`fairserve_model`). Groups may be appended later without a rebuild; changing one "
         "rebuilds the cluster (see upgrade.strategy).")

@@ -28,10 +28,14 @@ and a DNS-1035 label (a letter first: "fs-" is put before a name that starts oth
 {{- $name | trunc 47 | trimSuffix "-" -}}
 {{- end -}}
 
-{{/* A component's name: <fullname>-<component>, within 63 characters. */}}
+{{/* A component's name: <fullname>-<component>, within 63 characters and a DNS-1035 label
+(Services need one: "fs-" before a name that does not start with a letter). */}}
 {{- define "fairserve.componentName" -}}
 {{- $full := include "fairserve.fullname" .root -}}
-{{- printf "%s-%s" ($full | trunc (int (sub 62 (len .component)))) .component | replace "--" "-" -}}
+{{- if not (regexMatch "^[a-z]" $full) -}}
+{{- $full = printf "fs-%s" $full -}}
+{{- end -}}
+{{- printf "%s-%s" ($full | trunc (int (sub 62 (len .component))) | trimSuffix "-") .component -}}
 {{- end -}}
 
 {{- define "fairserve.chart" -}}
