@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import yaml
@@ -33,7 +34,7 @@ def main(config_path: str, redis_url: str, password: str) -> int:
     from router.redis_client import with_password
     from router.tenants import Tenant
 
-    config = yaml.safe_load(open(config_path))
+    config = yaml.safe_load(Path(config_path).read_text())
     os.environ["FAIRSERVE_REDIS__PASSWORD"] = password  # as the pods' secretKeyRef does
     key = add_tenant_with_key(with_password(redis_url, password), Tenant(id="helm"))
     started = time.monotonic()
