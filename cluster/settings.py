@@ -27,7 +27,7 @@ from replicas.engine.config import EngineConfig
 from replicas.engine.local_path import LocalPath, resolve_yaml_paths
 from router.config import ApiSettings, QueueSettings
 from router.dispatcher import DispatchSettings
-from router.redis_client import with_password
+from router.redis_client import password_of, with_password
 
 DEFAULT_STATE_DIR = Path(".fairserve")  # cluster/cli.py spells it too (it must not import torch)
 _YAML_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("yaml", default=None)
@@ -86,6 +86,9 @@ class RedisSettings(_Branch):
         None, description="the password of `url`, when the URL has none (from "
         "$FAIRSERVE_REDIS__PASSWORD, e.g. a Kubernetes secretKeyRef, so that the URL itself can "
         "be written down)")
+    password_file: LocalPath | None = Field(
+        None, description="a file holding that password (a mounted Kubernetes Secret; from "
+        "$FAIRSERVE_REDIS__PASSWORD_FILE); `password` wins")
     port: int = Field(6390, ge=1, le=65535, description="port of the embedded redis-server")
     appendfsync: AppendFsync = Field(
         AppendFsync.EVERYSEC, description="AOF fsync policy of the embedded redis-server"
@@ -96,8 +99,9 @@ class RedisSettings(_Branch):
         """``url`` with ``password`` in it (when the URL has none of its own)."""
         if self.url is None:
             return None
-        secret = self.password.get_secret_value() if self.password is not None else None
-        return with_password(self.url, secret)
+        given = self.password.get_secret_value() if self.password is not None else None
+        path = str(self.password_file) if self.password_file is not None else None
+        return with_password(self.url, password_of(given, path))
 
 
 class RaySettings(_Branch):

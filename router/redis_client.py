@@ -38,6 +38,7 @@ class PackedConnection(aioredis.Connection):
 
 POOL_WAIT_S = 10.0  # how long a command waits for a free connection of a bounded pool
 PASSWORD_ENV = "FAIRSERVE_REDIS__PASSWORD"
+PASSWORD_FILE_ENV = "FAIRSERVE_REDIS__PASSWORD_FILE"  # a mounted Secret: the better way
 
 
 def with_password(url: str, password: str | None) -> str:
@@ -50,15 +51,27 @@ def with_password(url: str, password: str | None) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))
 
 
+def password_of(password: str | None, password_file: str | None) -> str | None:
+    """The password given, else the contents of ``password_file`` (trailing newline dropped)."""
+    if password:
+        return password
+    if password_file:
+        with open(password_file) as f:
+            return f.read().rstrip("\r\n") or None
+    return None
+
+
 def with_env_password(url: str) -> str:
-    """``url`` with the password of this process's environment (``FAIRSERVE_REDIS__PASSWORD``).
+    """``url`` with the password of this process's environment: ``FAIRSERVE_REDIS__PASSWORD``,
+    or the file ``FAIRSERVE_REDIS__PASSWORD_FILE`` names (a mounted Kubernetes Secret).
 
     NOTE: the Redis password never travels through Ray. Deployment arguments, autoscaling
     policy arguments and serveConfigV2 are visible on the Ray dashboard (and the last in the
     RayService), so they carry the URL without it, and every process that connects (router,
     replica, autoscaling policy) adds it from its own environment, which Kubernetes fills from
     a Secret."""
-    return with_password(url, os.environ.get(PASSWORD_ENV))
+    return with_password(url, password_of(os.environ.get(PASSWORD_ENV),
+                                          os.environ.get(PASSWORD_FILE_ENV)))
 
 
 def connect(url: str, max_connections: int | None = None, **kwargs: Any) -> aioredis.Redis:

@@ -86,3 +86,15 @@ def test_paths_in_a_settings_file_are_relative_to_that_file(tmp_path, monkeypatc
     # a flag or an environment variable is still read against the current directory
     monkeypatch.setenv("FAIRSERVE_STATE_DIR", "here")
     assert load_settings("../conf/fairserve.yaml").state_dir == elsewhere / "here"
+
+
+def test_the_redis_password_joins_the_url_and_never_shows(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "password").write_text("s3cret\n")
+    s = load_settings(redis={"url": "redis://queues:6379/0", "password_file": "password"})
+    assert s.redis.password_file == tmp_path / "password"  # a local path like any other
+    assert s.redis.url_with_password() == "redis://:s3cret@queues:6379/0"
+    monkeypatch.setenv("FAIRSERVE_REDIS__PASSWORD", "from-env")
+    s = load_settings(redis={"url": "redis://queues:6379/0"})
+    assert s.redis.url_with_password() == "redis://:from-env@queues:6379/0"
+    assert "from-env" not in repr(s) and "from-env" not in s.model_dump_json()

@@ -5,7 +5,8 @@ for a chat completion. Run as a script (its own process: the suite may hold a Ra
 
 The local Ray gets the custom resources the chart's worker groups advertise
 (``fairserve_router``, ``fairserve_model``) and, like a Ray pod, the Redis password in its
-environment only (``FAIRSERVE_REDIS__PASSWORD``); the config carries the URL without it.
+mounted Secret only (``FAIRSERVE_REDIS__PASSWORD_FILE``); the config carries the URL without
+it.
 Prints one line, ``RESULT`` and JSON: the answer, and how long the deploy took.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +37,9 @@ def main(config_path: str, redis_url: str, password: str) -> int:
     from router.tenants import Tenant
 
     config = yaml.safe_load(Path(config_path).read_text())
-    os.environ["FAIRSERVE_REDIS__PASSWORD"] = password  # as the pods' secretKeyRef does
+    secret = Path(tempfile.mkdtemp(prefix="fairserve-secret-")) / "password"
+    secret.write_text(password + "\n")  # as the chart mounts the Secret into every Ray pod
+    os.environ["FAIRSERVE_REDIS__PASSWORD_FILE"] = str(secret)
     key = add_tenant_with_key(with_password(redis_url, password), Tenant(id="helm"))
     started = time.monotonic()
     ray.init(num_cpus=2, resources={"fairserve_router": 1000, "fairserve_model": 1000},

@@ -171,10 +171,14 @@ def test_external_redis_renders_no_redis_and_passes_its_secret() -> None:
     assert not [d for d in docs if "redis" in d["metadata"]["name"]]
     settings = serve_config(docs)["applications"][0]["args"]["settings"]
     assert settings["redis"] == {"url": "rediss://fairserve-queues.redis.example.internal:6380/0"}
-    head = rayservice(docs)["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
-    env = {e["name"]: e for e in head["spec"]["containers"][0]["env"]}
-    assert env["FAIRSERVE_REDIS__PASSWORD"]["valueFrom"]["secretKeyRef"] == {
-        "name": "managed-redis", "key": "password"}
+    head = rayservice(docs)["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    env = {e["name"]: e for e in head["containers"][0]["env"]}
+    # the password as a mounted Secret, read by every Ray process (router/redis_client.py)
+    assert env["FAIRSERVE_REDIS__PASSWORD_FILE"]["value"] == "/etc/fairserve/redis/password"
+    volumes = {v["name"]: v for v in head["volumes"]}
+    assert volumes["redis-password"]["secret"]["secretName"] == "managed-redis"
+    assert volumes["redis-password"]["secret"]["items"] == [{"key": "password",
+                                                             "path": "password"}]
 
 
 def test_embedded_redis_is_durable_and_never_evicts() -> None:

@@ -95,3 +95,20 @@ def test_wait_loaded_gives_up_naming_what_it_saw() -> None:
     client = connect(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.2)
     with pytest.raises(RedisNotReadyError, match="unreachable"):
         run(wait_loaded(client, timeout_s=0.5))
+
+
+def test_the_password_comes_from_the_environment_or_a_mounted_file(tmp_path, monkeypatch) -> None:
+    from router.redis_client import with_env_password, with_password
+
+    assert with_password("redis://h:6379/0", "p@ss") == "redis://:p%40ss@h:6379/0"
+    assert with_password("redis://u:own@h:6379/0", "other") == "redis://u:own@h:6379/0"
+    assert with_password("rediss://default@h:6380/1", "p") == "rediss://default:p@h:6380/1"
+    monkeypatch.delenv("FAIRSERVE_REDIS__PASSWORD", raising=False)
+    monkeypatch.delenv("FAIRSERVE_REDIS__PASSWORD_FILE", raising=False)
+    assert with_env_password("redis://h:6379/0") == "redis://h:6379/0"
+    secret = tmp_path / "password"
+    secret.write_text("from-a-file\n")  # as a Kubernetes Secret is mounted
+    monkeypatch.setenv("FAIRSERVE_REDIS__PASSWORD_FILE", str(secret))
+    assert with_env_password("redis://h:6379/0") == "redis://:from-a-file@h:6379/0"
+    monkeypatch.setenv("FAIRSERVE_REDIS__PASSWORD", "from-env")  # the variable wins
+    assert with_env_password("redis://h:6379/0") == "redis://:from-env@h:6379/0"

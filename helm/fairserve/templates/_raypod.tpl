@@ -56,6 +56,15 @@ spec:
     # Ray's session files, Python's and HOME's (the root filesystem is read-only)
     - name: tmp
       emptyDir: {}
+    {{- with include "fairserve.redisPasswordSecret" $root }}
+    - name: redis-password
+      secret:
+        secretName: {{ . }}
+        defaultMode: 0440
+        items:
+          - key: {{ include "fairserve.redisPasswordKey" $root }}
+            path: password
+    {{- end }}
     {{- if $v.tenants.existingSecret }}
     - name: tenants
       secret:
@@ -71,7 +80,7 @@ spec:
         readOnly: true
     {{- end }}
   containers:
-    - name: ray-{{ .component }}
+    - name: {{ ternary "ray-head" "ray-worker" (eq .component "head") }}
       image: {{ .image }}
       imagePullPolicy: {{ $v.image.pullPolicy }}
       securityContext:
@@ -93,14 +102,11 @@ spec:
           value: /tmp/home
         - name: PYTHONDONTWRITEBYTECODE
           value: "1"
-        {{- $secret := include "fairserve.redisPasswordSecret" $root }}
-        {{- if $secret }}
-        # the Redis password: from a Secret, never in serveConfigV2 (cluster/serve_app.py)
-        - name: FAIRSERVE_REDIS__PASSWORD
-          valueFrom:
-            secretKeyRef:
-              name: {{ $secret }}
-              key: {{ include "fairserve.redisPasswordKey" $root }}
+        {{- if include "fairserve.redisPasswordSecret" $root }}
+        # the Redis password: a mounted Secret, never in serveConfigV2 or an env value
+        # (router/redis_client.py: every Ray process reads it from here)
+        - name: FAIRSERVE_REDIS__PASSWORD_FILE
+          value: /etc/fairserve/redis/password
         {{- end }}
         {{- with $v.telemetry.otlpEndpoint }}
         - name: OTEL_EXPORTER_OTLP_ENDPOINT
@@ -129,6 +135,11 @@ spec:
       volumeMounts:
         - name: tmp
           mountPath: /tmp
+        {{- if include "fairserve.redisPasswordSecret" $root }}
+        - name: redis-password
+          mountPath: /etc/fairserve/redis
+          readOnly: true
+        {{- end }}
         {{- if $v.tenants.existingSecret }}
         - name: tenants
           mountPath: /etc/fairserve/tenants
