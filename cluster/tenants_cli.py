@@ -1,8 +1,11 @@
 """The ``fairserve tenants`` subcommands: tenants and their API keys, in the Redis the routers share.
 
 ``add``, ``list``, ``set``, ``key-create``, ``key-revoke`` and ``load`` (a YAML file, see
-``router.tenants``). Every subcommand takes ``--redis-url`` (default ``$FAIRSERVE_REDIS_URL``,
-else ``redis://127.0.0.1:6379/0``). A change applies to the next request: the routers read a
+``router.tenants``) and ``key-new`` (a key made and printed here, stored nowhere). Every
+subcommand that talks to Redis takes ``--redis-url`` (default ``$FAIRSERVE_REDIS__URL``, else
+the Redis of the ``fairserve up`` running from this directory, else the embedded default
+``redis://127.0.0.1:6390/0``); the password may come from the environment or a mounted file,
+as in the cluster's own processes. A change applies to the next request: the routers read a
 tenant's settings on every admission. Errors print one ``error: ...`` line to stderr and exit 1
 (argparse's usage errors exit 2).
 """
@@ -16,6 +19,7 @@ import os
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -25,12 +29,13 @@ from pydantic import ValidationError
 
 from router.api_keys import ApiKeys, digest, new_key
 from router.errors import InvalidRequestError, RouterError
-from router.redis_client import connect
+from router.redis_client import connect, with_env_password
 from router.scripts import Scripts
 from router.tenants import Tenant, TenantStore, load_tenants, load_tenants_file
 
-REDIS_URL_ENV = "FAIRSERVE_REDIS_URL"
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+# the settings tree's variable first (what a Ray pod of the Helm chart has), then the older name
+REDIS_URL_ENVS = ("FAIRSERVE_REDIS__URL", "FAIRSERVE_REDIS_URL")
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6390/0"  # the embedded Redis of `fairserve up`
 REDIS_CONNECT_TIMEOUT_S = 5.0
 EXIT_ERROR = 1
 UNLIMITED = "-"
@@ -59,8 +64,10 @@ def add_tenants_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     """Registers ``fairserve tenants ...`` on the top-level subparsers."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--redis-url", default=os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL),
-        help=f"the Redis the routers share (default: ${REDIS_URL_ENV}, else {DEFAULT_REDIS_URL})",
+        "--redis-url", default=_default_redis_url(),
+        help="the Redis the routers share (default: $FAIRSERVE_REDIS__URL, else the Redis of the "
+        f"`fairserve up` running from this directory, else {DEFAULT_REDIS_URL}); the password "
+        "may come from $FAIRSERVE_REDIS__PASSWORD or the file $FAIRSERVE_REDIS__PASSWORD_FILE",
     )
     tenants = sub.add_parser("tenants", help="add, list and change tenants and their API keys")
     commands = tenants.add_subparsers(dest="tenants_command", required=True)
@@ -96,6 +103,18 @@ def add_tenants_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     new.add_argument("tenant_id", metavar="ID")
     new.add_argument("--label", default="", help="a note stored with the key")
     new.set_defaults(func=key_new)
+
+
+def _default_redis_url() -> str:
+    for name in REDIS_URL_ENVS:
+        if os.environ.get(name):
+            return os.environ[name]
+    state_dir = Path(os.environ.get("FAIRSERVE_STATE_DIR") or ".fairserve")
+    try:  # the run state `fairserve up` writes (cluster/cli.py)
+        url = json.loads((state_dir / "run.json").read_text()).get("redis_url")
+    except (OSError, ValueError, AttributeError):
+        url = None
+    return str(url) if url else DEFAULT_REDIS_URL
 
 
 def _command(
@@ -169,7 +188,8 @@ def run_tenants_command(args: argparse.Namespace) -> int:
 
 async def _with_admin(args: argparse.Namespace) -> int:
     try:
-        client = connect(args.redis_url, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
+        client = connect(with_env_password(args.redis_url),
+                         socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
     except ValueError as exc:
         raise InvalidRequestError(
             f"invalid --redis-url {redacted_url(args.redis_url)!r}: {exc}", param="redis_url"

@@ -14,6 +14,7 @@ from cluster.cli import main
 from cluster.redis_server import free_port
 from router.api_keys import Principal
 from router.errors import AuthenticationError
+from router.redis_client import with_password
 from router.tenants import Tenant
 from tests.router.factories import harness, run
 
@@ -221,9 +222,27 @@ def test_load_of_a_bad_file_names_the_entry_and_field_and_writes_nothing(
 
 
 def test_redis_url_defaults_to_the_environment(redis_url, monkeypatch, capsys) -> None:
+    monkeypatch.delenv("FAIRSERVE_REDIS__URL", raising=False)
     monkeypatch.setenv("FAIRSERVE_REDIS_URL", redis_url)
     assert main(["tenants", "add", "acme"]) == 0
     assert stored(redis_url, "acme") == Tenant(id="acme")
+
+
+def test_redis_url_defaults_to_the_running_fairserve_up_and_takes_a_password_file(
+        redis_client, redis_url, tmp_path, monkeypatch, capsys) -> None:
+    for name in ("FAIRSERVE_REDIS__URL", "FAIRSERVE_REDIS_URL", "FAIRSERVE_STATE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".fairserve").mkdir()
+    (tmp_path / ".fairserve" / "run.json").write_text(json.dumps({"redis_url": redis_url}))
+    redis_client.config_set("requirepass", "s3cret")
+    try:
+        (tmp_path / "password").write_text("s3cret\n")  # as a Ray pod has it mounted
+        monkeypatch.setenv("FAIRSERVE_REDIS__PASSWORD_FILE", str(tmp_path / "password"))
+        assert main(["tenants", "add", "acme"]) == 0  # no --redis-url: the running cluster's
+        assert stored(with_password(redis_url, "s3cret"), "acme") == Tenant(id="acme")
+    finally:
+        redis_client.config_set("requirepass", "")  # this connection authenticated before
 
 
 def test_unreachable_redis_is_one_clear_line(capsys) -> None:

@@ -102,6 +102,9 @@ spec:
           value: /tmp/home
         - name: PYTHONDONTWRITEBYTECODE
           value: "1"
+        # the Redis (without its password): `fairserve tenants ...` in a Ray pod needs no flag
+        - name: FAIRSERVE_REDIS__URL
+          value: {{ include "fairserve.redisUrl" $root | quote }}
         {{- if include "fairserve.redisPasswordSecret" $root }}
         # the Redis password: a mounted Secret, never in serveConfigV2 or an env value
         # (router/redis_client.py: every Ray process reads it from here)
