@@ -25,13 +25,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import yaml
-from pydantic import ValidationError
 
 from router.api_keys import ApiKeys, digest, new_key
 from router.errors import InvalidRequestError, RouterError
 from router.redis_client import connect, with_env_password
 from router.scripts import Scripts
-from router.tenants import Tenant, TenantStore, load_tenants, load_tenants_file
+from router.tenants import Tenant, TenantStore, load_tenants, load_tenants_file, validated
 
 # the settings tree's variable first (what a Ray pod of the Helm chart has), then the older name
 REDIS_URL_ENVS = ("FAIRSERVE_REDIS__URL", "FAIRSERVE_REDIS_URL")
@@ -301,13 +300,8 @@ def key_new(args: argparse.Namespace) -> int:
 
 
 def _validated(fields: dict[str, Any]) -> Tenant:
-    try:
-        return Tenant.model_validate(fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "tenant"
-        message = first["msg"].removeprefix("Value error, ")
-        raise InvalidRequestError(f"{field}: {message}", param=field) from None
+    tenant: Tenant = validated(Tenant, fields)
+    return tenant
 
 
 def _cell(tenant: Tenant, name: str) -> str:

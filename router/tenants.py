@@ -153,12 +153,12 @@ def parse_tenants_yaml(text: str, source: str = "tenants file") -> TenantsDocume
         key_entries: Any = []
         if isinstance(fields, dict):
             key_entries = fields.pop("api_keys", None) or []
-        tenant = _validated(Tenant, fields, source, where)
+        tenant = validated(Tenant, fields, where, source)
         tenants.append(tenant)
         if not isinstance(key_entries, list):
             raise InvalidRequestError(f"{source}: {where}.api_keys: expected a list",
                                       param=f"{where}.api_keys")
-        api_keys.extend((tenant.id, _validated(TenantKey, k, source, f"{where}.api_keys[{i}]"))
+        api_keys.extend((tenant.id, validated(TenantKey, k, f"{where}.api_keys[{i}]", source))
                         for i, k in enumerate(key_entries))
     for name, ids in (("tenant ids", [t.id for t in tenants]),
                       ("key ids", [k.id for _, k in api_keys]),
@@ -169,15 +169,18 @@ def parse_tenants_yaml(text: str, source: str = "tenants file") -> TenantsDocume
     return TenantsDocument(tenants, api_keys)
 
 
-def _validated(model: type[BaseModel], entry: Any, source: str, where: str) -> Any:
+def validated(model: type[BaseModel], entry: Any, where: str = "", source: str = "") -> Any:
+    """``entry`` as a ``model``; else ``InvalidRequestError`` naming the first bad field, as
+    ``where.field`` (``where``: its place in a file), the message led by ``source``."""
     try:
         return model.model_validate(entry)
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "entry"
+        param = f"{where}.{field}" if where else field
         message = first["msg"].removeprefix("Value error, ")
-        raise InvalidRequestError(f"{source}: {where}.{field}: {message}",
-                                  param=f"{where}.{field}") from None
+        lead = f"{source}: " if source else ""
+        raise InvalidRequestError(f"{lead}{param}: {message}", param=param) from None
 
 
 def load_tenants_file(path: str | Path) -> TenantsDocument:
