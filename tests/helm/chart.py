@@ -21,6 +21,19 @@ BASE = {"preflight": {"requireKubeRayCRDs": False},
         "redis": {"embedded": {"auth": {"existingSecret": "fairserve-redis"}}}}
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping with a key twice (Helm and PyYAML would silently
+    keep the last one: a second `env:` would drop the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+        duplicates = {k for k in keys if keys.count(k) > 1}
+        if duplicates:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate keys {sorted(map(str, duplicates))}", node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
 @functools.cache
 def _chart() -> Any:
     helm_python.disable_logging()
@@ -61,7 +74,7 @@ def render(values: dict[str, Any], release: str = "demo", with_tests: bool = Fal
     for path, text in sorted(render_files(values, release).items()):
         if path.endswith("NOTES.txt") or ("/tests/" in path and not with_tests):
             continue
-        docs.extend(d for d in yaml.safe_load_all(text) if d)
+        docs.extend(d for d in yaml.load_all(text, Loader=_UniqueKeyLoader) if d)
     return docs
 
 
