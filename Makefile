@@ -6,6 +6,9 @@
 #   make bench-tracing  the cluster's throughput with tracing at full sampling and without
 #   make bench-autoscale  backlog rise -> new replica serving, replicas from the prepared model
 #                         copy and from the GGUF file
+#   make image       build the CPU container image localhost/fairserve-cpu:<version> (root)
+#   make test-image  build it and serve from inside it (tests/deploy/test_image.py; minutes)
+#   make helm-values regenerate the Helm chart's values.yaml and values.schema.json
 
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -14,7 +17,7 @@ STAMP  := $(VENV)/.installed-stamp
 CHECKOV := .venv-checkov/bin/checkov
 PYTEST_ARGS ?=
 
-.PHONY: install up test test-fast helm-values bench bench-cluster bench-tracing bench-autoscale lint clean
+.PHONY: install up test test-fast helm-values image test-image image-tools bench bench-cluster bench-tracing bench-autoscale lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -41,6 +44,16 @@ test: $(STAMP) $(CHECKOV)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not gpu and not slow and not image" $(PYTEST_ARGS)
+
+image-tools:
+	command -v buildah >/dev/null && command -v debootstrap >/dev/null || \
+	  { apt-get update -qq && apt-get install -y -qq buildah debootstrap; }
+
+image: image-tools
+	bash deploy/images/build.sh
+
+test-image: $(STAMP) image-tools
+	$(PY) -m pytest -m image tests/deploy/test_image.py $(PYTEST_ARGS)
 
 # the Helm chart's values.yaml and values.schema.json, from helm/chart_values.py
 helm-values: $(STAMP)
