@@ -107,7 +107,7 @@ class TorchEngine:
         sink: asyncio.Queue = asyncio.Queue()
         self._commands.put(_Add(prepared, loop, sink))
         finished = False
-        num_open = request.sampling.n  # the request ends with the last choice's final chunk
+        num_open = request.num_open_choices  # it ends with the last open choice's final chunk
         try:
             while True:
                 item = await sink.get()
@@ -207,8 +207,8 @@ class TorchEngine:
             except InvalidRequestError as exc:  # a duplicate id: refuse this stream only
                 command.loop.call_soon_threadsafe(command.sink.put_nowait, exc)
                 return
-            num_choices = command.prepared.request.sampling.n
-            self._sinks[request_id] = (command.loop, command.sink, [num_choices])
+            num_open = command.prepared.request.num_open_choices
+            self._sinks[request_id] = (command.loop, command.sink, [num_open])
             self._load = core.load()
             return
         finals = core.abort(command.request_id)

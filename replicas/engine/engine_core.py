@@ -128,11 +128,25 @@ class EngineCore:
                 "max_tokens",
             )
         self._check_sampling(request.sampling)
+        self._check_resume(request)
         spec = request.sampling.structured_output
         guides = () if spec is None else tuple(
             self.guides.guide(spec) for _ in range(request.sampling.n))
         arrival = request.arrival_time_s if request.arrival_time_s is not None else time.time()
         return PreparedRequest(request, prompt_ids, arrival, guides)
+
+    def _check_resume(self, request: GenerateRequest) -> None:
+        vocab, n = self.model_config.vocab_size, request.sampling.n
+        for resume in request.resume:
+            if not 0 <= resume.index < n or any(not 0 <= t < vocab for t in resume.token_ids):
+                raise InvalidRequestError(
+                    f"resume of choice {resume.index}: the choice or a token id is out of range",
+                    "resume")
+            if len(resume.token_ids) > request.sampling.max_tokens:
+                raise InvalidRequestError(f"resume of choice {resume.index}: more tokens than "
+                                          "max_tokens", "resume")
+        if request.num_open_choices < 1:
+            raise InvalidRequestError("resume: every choice has ended already", "resume")
 
     def _check_sampling(self, sampling: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
@@ -164,8 +178,12 @@ class EngineCore:
         if request.request_id in self._families:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", "request_id")
         sampling = request.sampling
+        resumes = {r.index: r for r in request.resume}
         seqs = []
         for index in range(sampling.n):
+            resume = resumes.get(index)
+            if resume is not None and resume.is_finished:
+                continue
             seq_id = request.request_id if sampling.n == 1 else f"{request.request_id}/{index}"
             seq = Sequence.from_prompt(seq_id, prepared.prompt_token_ids, _choice(sampling, index),
                                        arrival_s=prepared.arrival_s)
@@ -173,7 +191,10 @@ class EngineCore:
             detok = IncrementalDetokenizer(
                 self.tokenizer, prepared.prompt_token_ids, sampling.skip_special_tokens
             )
-            self._outputs[seq_id] = RequestOutput(seq, detok, self._eos, request.request_id, index)
+            out = RequestOutput(seq, detok, self._eos, request.request_id, index)
+            if resume is not None:
+                out.resume(resume.token_ids, resume.num_text_chars_sent)
+            self._outputs[seq_id] = out
             seqs.append(seq)
         self._families[request.request_id] = _Family([s.request_id for s in seqs], seqs[1:])
         self.scheduler.add(seqs[0])
@@ -195,7 +216,6 @@ class EngineCore:
                 out.seq.finished_s = time.time()
             else:
                 self.scheduler.finish(out.seq, FinishReason.ABORT)
-            self.sampler.forget(seq_id)
             finals.append(out.chunk((), None, FinishReason.ABORT))
         return finals
 
@@ -246,7 +266,6 @@ class EngineCore:
 
     def _finish(self, out: RequestOutput, finish: FinishReason) -> None:
         self.scheduler.finish(out.seq, finish)
-        self.sampler.forget(out.seq.request_id)
         del self._outputs[out.seq.request_id]
         family = self._families[out.request_id]
         if all(seq_id not in self._outputs for seq_id in family.seq_ids):

@@ -24,11 +24,26 @@ class FinishReason(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class ChoiceResume:
+    """Where a choice of a migrated request stands: the output tokens its client has had (they
+    are output, not prompt: max_tokens, min_tokens, penalties, seeded positions and the grammar
+    count them), how many characters of their text were sent (the rest, held back for a stop
+    string or a multi-byte character, is sent by the resumed run), and whether it had ended."""
+
+    index: int
+    token_ids: tuple[int, ...] = ()
+    num_text_chars_sent: int = 0
+    is_finished: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateRequest:
     """One generation request.
 
     Exactly one of ``prompt_token_ids``, ``prompt`` (raw text) or ``messages`` (chat, rendered
-    with the model's chat template and a generation prompt) must be given.
+    with the model's chat template and a generation prompt) must be given. ``resume``: a
+    request that ran elsewhere first (a migration), continued from where each choice stands;
+    it streams only what follows, and its final usage counts every output token once.
     """
 
     request_id: str
@@ -37,6 +52,12 @@ class GenerateRequest:
     prompt: str | None = None
     messages: tuple[dict[str, str], ...] | None = None
     arrival_time_s: float | None = None  # wall clock (time.time()); defaults to now
+    resume: tuple[ChoiceResume, ...] = ()
+
+    @property
+    def num_open_choices(self) -> int:
+        """Choices still to run (each ends with one final chunk)."""
+        return self.sampling.n - sum(r.is_finished for r in self.resume)
 
 
 @dataclass(frozen=True, slots=True)

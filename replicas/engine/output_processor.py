@@ -31,6 +31,17 @@ class RequestOutput:
     num_text_sent: int = 0  # characters of detokenizer text already sent
     _text: str = field(default="")
 
+    def resume(self, token_ids: tuple[int, ...], num_text_chars_sent: int) -> None:
+        """Continue a migrated choice: its output so far, of which the client has the first
+        ``num_text_chars_sent`` characters of text (the rest is sent from here)."""
+        for token_id in token_ids:
+            self.seq.append_token(token_id)
+            if self.seq.guide is not None:
+                self.seq.guide.accept(token_id)
+        self.detokenizer.add(list(token_ids))
+        self._text = self.detokenizer.text
+        self.num_text_sent = min(num_text_chars_sent, len(self._text))
+
     def on_token(self, token_id: int, max_model_len: int) -> FinishReason | None:
         """Account for one sampled token (already appended to seq); returns why it finished."""
         params = self.seq.sampling

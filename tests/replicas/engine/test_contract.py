@@ -15,7 +15,7 @@ import pytest
 from replicas.engine.async_engine import TorchEngine
 from replicas.engine.config import EngineConfig
 from replicas.engine.errors import InvalidRequestError
-from replicas.engine.interface import Engine, FinishReason, GenerateRequest
+from replicas.engine.interface import ChoiceResume, Engine, FinishReason, GenerateRequest
 from replicas.engine.sampling_params import GuideKind, SamplingParams, StructuredOutput
 
 pytestmark = pytest.mark.slow
@@ -324,3 +324,45 @@ def test_include_stop_str_in_output_keeps_the_stop_string(engine) -> None:
                             include_stop_str_in_output=True)
     chunks = run(engine, collect(eng, GenerateRequest("isi", params, messages=CAPITAL)))
     assert "".join(c.text for c in chunks) == "The capital of France is Paris"
+
+
+# ---- resume (a migrated request continues where its client is) ----
+
+
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 0.0},
+    {"temperature": 0.9, "seed": 1234, "top_p": 0.95},
+    {"temperature": 1.0, "seed": 5, "frequency_penalty": 0.8, "repetition_penalty": 1.2},
+], ids=["greedy", "seeded", "seeded-penalties"])
+@pytest.mark.parametrize("cut", [1, 9])
+def test_a_resumed_request_continues_as_the_uninterrupted_one(engine, sampling, cut) -> None:
+    _, eng = engine
+    params = SamplingParams(max_tokens=24, ignore_eos=True, **sampling)
+    whole = run(engine, collect(eng, GenerateRequest(f"w{cut}", params, messages=STORY)))
+    tokens = [t for c in whole for t in c.token_ids]
+    text = "".join(c.text for c in whole)
+    sent = "".join(c.text for c in whole[:cut])  # what the client had when the replica died
+    resume = ChoiceResume(0, tuple(tokens[:cut]), len(sent))
+    rest = run(engine, collect(eng, GenerateRequest(f"r{cut}", params, messages=STORY,
+                                                    resume=(resume,))))
+    assert tokens[cut:] == [t for c in rest for t in c.token_ids]
+    assert sent + "".join(c.text for c in rest) == text  # no gap, no duplicate
+    assert rest[-1].usage.num_output_tokens == whole[-1].usage.num_output_tokens == 24
+
+
+def test_a_resumed_choice_keeps_its_grammar_and_finished_choices_stay_done(engine) -> None:
+    import jsonschema
+
+    _, eng = engine
+    spec = StructuredOutput(GuideKind.JSON_SCHEMA, json.dumps(PERSON))
+    params = SamplingParams(max_tokens=80, temperature=0.0, n=2, structured_output=spec)
+    whole = run(engine, collect(eng, GenerateRequest("jw", params, messages=JSON_ASK)))
+    first = [c for c in whole if c.index == 0]
+    tokens = [t for c in first for t in c.token_ids]
+    sent = "".join(c.text for c in first[:6])
+    resume = (ChoiceResume(0, tuple(tokens[:6]), len(sent)),
+              ChoiceResume(1, is_finished=True))
+    rest = run(engine, collect(eng, GenerateRequest("jr", params, messages=JSON_ASK,
+                                                    resume=resume)))
+    assert {c.index for c in rest} == {0}  # the finished choice does not run again
+    jsonschema.validate(json.loads(sent + "".join(c.text for c in rest)), PERSON)

@@ -85,12 +85,37 @@ def test_same_seed_same_tokens_whatever_the_batch() -> None:
         target = make_sequence("target", num_prompt_tokens=4, **params)
         seqs.insert(target_row, target)
         rows = batch_rows[:target_row] + [0] + batch_rows[target_row:]
-        return [sampler.sample(logits[rows], seqs)[target_row].token_id for _ in range(30)]
+        tokens = []
+        for _ in range(30):
+            tokens.append(sampler.sample(logits[rows], seqs)[target_row].token_id)
+            target.append_token(tokens[-1])  # as the engine does: the position advances
+        return tokens
 
     alone = draw([], 0)
     crowded = draw([1, 2, 3], 2)
     assert alone == crowded
     assert len(set(alone)) > 1  # it really samples
+
+
+def test_a_seeded_draw_depends_on_the_position_not_the_history() -> None:
+    """What makes a migrated request sample what the uninterrupted one would have: another
+    sampler, a sequence rebuilt from the same output, the same draw."""
+    logits = _logits(1, seed=9)
+    first = make_sequence("first", num_prompt_tokens=4, temperature=1.0, seed=7)
+    sampler = _sampler()
+    tokens = []
+    for _ in range(12):
+        tokens.append(sampler.sample(logits, [first])[0].token_id)
+        first.append_token(tokens[-1])
+    resumed = make_sequence("resumed", token_ids=first.prompt_token_ids, temperature=1.0, seed=7)
+    for token in tokens[:5]:
+        resumed.append_token(token)  # the 5 tokens the client had
+    other = _sampler()  # a fresh replica
+    again = []
+    for _ in range(7):
+        again.append(other.sample(logits, [resumed])[0].token_id)
+        resumed.append_token(again[-1])
+    assert again == tokens[5:]
 
 
 def test_min_tokens_suppresses_eos_and_stop_tokens() -> None:
