@@ -22,7 +22,7 @@ from typing import Any
 
 from replicas.engine.async_engine import TorchEngine
 from replicas.engine.config import EngineConfig
-from replicas.engine.interface import Chunk, Engine, GenerateRequest
+from replicas.engine.interface import ChoiceResume, Chunk, Engine, GenerateRequest
 from replicas.engine.sampling_params import GuideKind, SamplingParams, StructuredOutput
 from replicas.load_report import LoadReporter
 from replicas.tracing import record_engine_spans
@@ -76,7 +76,12 @@ class ModelReplica:
             sampling=SamplingParams(**_sampling_args(call["sampling"])),
             prompt_token_ids=tuple(call["prompt_token_ids"]),
             arrival_time_s=time.time(),
+            resume=tuple(ChoiceResume(int(r["index"]), tuple(r["token_ids"]),
+                                      int(r["num_text_chars_sent"]), bool(r["is_finished"]))
+                         for r in call.get("resume") or ()),
         )
+        # who has the request, at once: the dispatcher watches this replica's heartbeat
+        yield {"token_ids": [], "text": "", "finish_reason": None, "replica_id": self.replica_id}
         self._num_ongoing += 1
         num_prompt = len(request.prompt_token_ids or ())
         self._remaining[request.request_id] = (num_prompt + request.sampling.n
@@ -122,6 +127,7 @@ class ModelReplica:
             num_total_kv_blocks=load.num_total_kv_blocks,
             output_tokens_per_s=self._throughput(),
             reported_ms=int(time.time() * 1000),
+            num_steps=load.num_steps,
         )
 
     def record_autoscaling_stats(self) -> dict[str, float]:

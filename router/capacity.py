@@ -33,10 +33,16 @@ class ReplicaLoad:
     num_total_kv_blocks: int
     output_tokens_per_s: float
     reported_ms: int
+    num_steps: int = 0  # the engine's steps so far: a hung engine stops counting
+
+    @property
+    def is_busy(self) -> bool:
+        return bool(self.ongoing or self.num_running or self.num_waiting)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> ReplicaLoad:
-        return cls(**json.loads(raw))
+        fields = json.loads(raw)
+        return cls(**{k: v for k, v in fields.items() if k in cls.__dataclass_fields__})
 
     def to_json(self) -> str:
         return json.dumps({name: getattr(self, name) for name in self.__slots__})

@@ -20,34 +20,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace import Span
 from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 
-from router import response_events
 from router.capacity import CapacityView
-from router.errors import (
-    LeaseLostError,
-    ReplicaFailedError,
-    ReplicaUnavailableError,
-    RouterError,
-)
-from router.messages import Grant, Lease, RequestState
+from router.errors import LeaseLostError, RouterError
+from router.messages import Grant, Lease
 from router.prompt_tokenizer import PromptTokenizer
 from router.queues import TenantQueues
+from router.relay import Relay, RelaySettings, ReplicaPool, Running, end_span
 from router.streams import AppendBatcher, ResponseStreams
 from router.tracing import (
     OFF,
     QueueFacts,
     Tracing,
-    carrier,
     context_of,
     decode_meta,
     now_ns,
@@ -71,41 +63,24 @@ class DispatchSettings(BaseModel):
     capacity_refresh_s: float = Field(
         0.25, gt=0, le=10, description="how often the replicas' load reports are re-read"
     )
+    max_migrations: int = Field(
+        3, ge=0, le=20, description="times one request may move to another replica when the "
+        "one running it dies, stalls or drains (router/relay.py); 0: never")
+    stall_timeout_s: float = Field(
+        10.0, gt=0, le=600, description="no chunk for this long and no engine step on its "
+        "replica (its heartbeat in Redis): the replica counts as stalled and the request moves")
 
-
-class ReplicaStream(Protocol):
-    def __aiter__(self) -> AsyncIterator[dict[str, Any]]: ...
-
-    def cancel(self) -> None: ...
-
-
-class ReplicaPool(Protocol):
-    """How a dispatcher reaches the replicas (a Ray Serve handle in the cluster)."""
-
-    def generate(self, call: dict[str, Any]) -> ReplicaStream:
-        """Start one request; iterating yields wire chunks. Raises ``ReplicaUnavailableError``
-        or ``ReplicaFailedError`` while iterating."""
-        ...
-
-
-@dataclass(slots=True)
-class _Running:
-    grant: Grant
-    granted_ns: int
-    admitted_ns: int
-    span: Span | None = None
-    stream: ReplicaStream | None = None
-    is_cancel_requested: bool = False
-    num_output_tokens: int = 0  # all choices together
-    prompt_tokens: int = 0
-    num_choices: int = 1
-    finals: dict[int, dict[str, Any]] = field(default_factory=dict)  # choice -> its last wire
+    def relay_settings(self) -> RelaySettings:
+        return RelaySettings(max_migrations=self.max_migrations,
+                             stall_timeout_s=self.stall_timeout_s,
+                             stall_check_s=min(1.0, self.stall_timeout_s / 2))
 
 
 class Dispatcher:
     def __init__(self, queues: TenantQueues, replicas: ReplicaPool, tokenizer: PromptTokenizer,
                  holder: str, settings: DispatchSettings | None = None,
-                 tracing: Tracing = OFF) -> None:
+                 tracing: Tracing = OFF,
+                 on_migration: Callable[[str, str], None] = lambda tenant, reason: None) -> None:
         self.queues = queues
         self.streams = ResponseStreams(queues.scripts)
         self.appends = AppendBatcher(self.streams)
@@ -116,7 +91,9 @@ class Dispatcher:
         self.settings = settings or DispatchSettings()
         self.capacity = CapacityView(queues.client, self.settings.capacity_refresh_s)
         self._wake = asyncio.Event()
-        self._running: dict[str, _Running] = {}
+        self.relay = Relay(queues, self.appends, replicas, tokenizer, tracing,
+                           self.settings.relay_settings(), on_migration)
+        self._running: dict[str, Running] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._last_reap = 0.0
 
@@ -185,120 +162,34 @@ class Dispatcher:
     async def _serve(self, grant: Grant, granted_ns: int) -> None:
         meta = decode_meta(grant.meta)
         admitted_ns = int(meta.get("admitted_ns") or grant.created_ms * 1_000_000)
-        running = _Running(grant, granted_ns, admitted_ns, prompt_tokens=grant.prompt_tokens)
+        running = Running(grant, granted_ns, admitted_ns)
         running.span = self._start_spans(running, meta)
         self._running[grant.request_id] = running
         renewer = asyncio.create_task(self._renew(running))
         try:
-            await self._run_on_replica(running)
+            await self.relay.run(running)
         except LeaseLostError as exc:
             logger.warning("dropped %s: %s", grant.request_id, exc.message)
-            _end_span(running, "lease_lost", is_error=True)
+            end_span(running, "lease_lost", is_error=True)
         except asyncio.CancelledError:  # this router is shutting down: hand the request back
+            # (its next holder resumes it from the response stream: router/relay.py)
             with contextlib.suppress(RouterError, RedisError, OSError):
                 await asyncio.shield(self.queues.requeue(grant.lease, "router shutdown"))
-            _end_span(running, "requeued")
+            end_span(running, "requeued")
             raise
         except (RedisError, OSError) as exc:
             logger.error("lost Redis while serving %s: %s (the reaper will requeue it)",
                          grant.request_id, exc)
-            _end_span(running, "redis_lost", is_error=True)
+            end_span(running, "redis_lost", is_error=True)
         finally:
-            _end_span(running, "ended")
+            end_span(running, "ended")
             renewer.cancel()
             if running.stream is not None:
                 running.stream.cancel()
             self._running.pop(grant.request_id, None)
             self._wake.set()  # a slot is free
 
-    async def _run_on_replica(self, running: _Running) -> None:
-        grant = running.grant
-        lease = grant.lease
-        body = json.loads(grant.body)
-        call = {"request_id": f"{grant.request_id}.{lease.attempt}",
-                "prompt_token_ids": body["prompt_token_ids"], "sampling": body["sampling"]}
-        running.num_choices = int(body["sampling"].get("n", 1))
-        if running.span is not None:
-            call["trace"] = carrier(running.span)
-        want_logprobs = bool(body["sampling"].get("logprobs"))
-        try:
-            running.stream = self.replicas.generate(call)
-            async for wire in running.stream:
-                if running.is_cancel_requested:
-                    break
-                if await self._relay(running, wire, want_logprobs):
-                    return
-        except ReplicaUnavailableError as exc:
-            if running.num_output_tokens == 0 and not running.is_cancel_requested:
-                state = await self.queues.requeue(lease, exc.message)
-                logger.warning("replica unavailable for %s: %s; %s", grant.request_id,
-                               exc.message, state.value)
-                _end_span(running, "requeued")
-                return
-            await self._fail(running, exc)
-            return
-        except ReplicaFailedError as exc:
-            await self._fail(running, exc)
-            return
-        await self._end_cancelled(running)
-        _end_span(running, "cancelled")
-
-    async def _relay(self, running: _Running, wire: dict[str, Any], want_logprobs: bool) -> bool:
-        """Append one chunk; True when it was the last choice's final one and the request is
-        completed."""
-        ids: list[int] = wire["token_ids"]
-        running.num_output_tokens += len(ids)
-        logprobs = _logprobs(self.tokenizer, wire.get("logprobs")) if want_logprobs else None
-        index, finish = int(wire.get("index", 0)), wire.get("finish_reason")
-        # with n > 1 a choice's end travels on its last chunk; one choice ends with the request
-        choice_finish = finish if running.num_choices > 1 else None
-        if ids or wire["text"] or choice_finish is not None:
-            event = response_events.chunk_data(wire["text"], len(ids), logprobs, index,
-                                               choice_finish)
-            status = await self.appends.append(running.grant.lease,
-                                               [(response_events.CHUNK, event)])
-            if status.is_cancel_requested:
-                self.abort_local(running.grant.request_id)
-        if finish is None:
-            return False
-        running.finals[index] = wire
-        if len(running.finals) < running.num_choices:
-            return False
-        await self._complete(running)
-        return True
-
-    async def _complete(self, running: _Running) -> None:
-        """Every choice has ended: the end event with the usage of all, and the settlement."""
-        finals = [running.finals[i] for i in sorted(running.finals)]
-        first = finals[0]
-        prompt, cached = first["usage"]["prompt_tokens"], first["usage"]["cached_tokens"]
-        completion = sum(w["usage"]["completion_tokens"] for w in finals)
-        timings = {**_merged_timings([w.get("timings") or {} for w in finals]),
-                   "admitted_s": running.admitted_ns / 1e9, "granted_s": running.granted_ns / 1e9}
-        reasons = [w["finish_reason"] for w in finals]
-        final = response_events.end_data(reasons[0], prompt, completion, cached, timings,
-                                         reasons if running.num_choices > 1 else None)
-        outcome = (RequestState.CANCELLED if reasons[0] == "abort" else RequestState.COMPLETED)
-        await self.queues.complete(running.grant.lease, prompt, completion, reasons[0], final,
-                                   outcome)
-        if running.span is not None:
-            running.span.set_attribute("fairserve.replica.id", str(first.get("replica_id", "")))
-            _end_span(running, outcome.value)
-
-    async def _end_cancelled(self, running: _Running) -> None:
-        used = running.num_output_tokens
-        final = response_events.end_data("abort", running.prompt_tokens, used, 0)
-        await self.queues.complete(running.grant.lease, running.prompt_tokens, used, "abort",
-                                   final, RequestState.CANCELLED)
-
-    async def _fail(self, running: _Running, error: RouterError) -> None:
-        logger.error("request %s failed: %s", running.grant.request_id, error.message)
-        _end_span(running, "failed", is_error=True)
-        used = running.num_output_tokens
-        await self.queues.complete(running.grant.lease, running.prompt_tokens, used, "error",
-                                   response_events.error_data(error, running.prompt_tokens, used))
-
-    def _start_spans(self, running: _Running, meta: dict[str, Any]) -> Span | None:
+    def _start_spans(self, running: Running, meta: dict[str, Any]) -> Span | None:
         tracer = self.tracing.tracer
         if tracer is None:
             return None
@@ -311,7 +202,7 @@ class Dispatcher:
         return start_dispatch_span(tracer, parent, grant.request_id, self.holder,
                                    grant.lease.attempt, running.granted_ns)
 
-    async def _renew(self, running: _Running) -> None:
+    async def _renew(self, running: Running) -> None:
         lease: Lease = running.grant.lease
         while True:
             await asyncio.sleep(self.settings.renew_s)
@@ -328,39 +219,3 @@ class Dispatcher:
                 self.abort_local(lease.request_id)
 
 
-def _end_span(running: _Running, outcome: str, is_error: bool = False) -> None:
-    """End the dispatch span once, with how the delivery ended."""
-    span, running.span = running.span, None
-    if span is None:
-        return
-    span.set_attribute("fairserve.outcome", outcome)
-    if is_error:
-        span.set_status(Status(StatusCode.ERROR, outcome))
-    span.end()
-
-
-def _merged_timings(timings: list[dict[str, Any]]) -> dict[str, Any]:
-    """The engine timings of a request from its choices': the earliest start of each phase,
-    the last finish, counts added up (one choice: its own)."""
-    if len(timings) == 1:
-        return timings[0]
-
-    def earliest(name: str) -> float | None:
-        values = [t[name] for t in timings if t.get(name) is not None]
-        return min(values) if values else None
-
-    merged: dict[str, Any] = {name: earliest(name)
-                              for name in ("arrived_s", "first_scheduled_s", "first_token_s")}
-    finished = [t["finished_s"] for t in timings if t.get("finished_s") is not None]
-    merged["finished_s"] = max(finished) if finished else None
-    for name in ("num_prefill_chunks", "num_preemptions"):
-        merged[name] = sum(int(t.get(name, 0)) for t in timings)
-    return merged
-
-
-def _logprobs(tokenizer: PromptTokenizer, raw: list[Any] | None) -> list[Any] | None:
-    """Wire logprobs ``[[id, logprob, [[id, logprob], ...]], ...]`` with token texts."""
-    if raw is None:
-        return None
-    return [[tokenizer.piece(tid), lp, [[tokenizer.piece(t), p] for t, p in top]]
-            for tid, lp, top in raw]

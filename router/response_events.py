@@ -1,7 +1,8 @@
 """What a dispatcher writes into a request's response stream, and what a reader makes of it.
 
-Event types: ``chunk`` (new text, the number of new tokens, their logprobs; for a request with
-``n`` choices also the choice's index, and its finish reason on its last chunk), ``end``
+Event types: ``chunk`` (new text, the new tokens' ids and count, the position they bring their
+choice to (its output tokens so far), their logprobs; the choice's index when n > 1, and its
+finish reason on its last chunk), ``end``
 (terminal: finish reason, usage summed over the choices, engine timings, and each choice's
 finish reason; or ``outcome`` for a request that ended unserved, or ``error`` for one that
 failed) and ``error`` (terminal: dead-lettered). Data is JSON.
@@ -28,7 +29,9 @@ class ChunkData:
     num_tokens: int
     logprobs: list[Any] | None = None
     index: int = 0  # the choice
-    finish_reason: str | None = None  # set on a choice's last chunk when n > 1
+    finish_reason: str | None = None  # set on a choice's last chunk
+    token_ids: list[int] | None = None
+    position: int = 0  # the choice's output tokens once this chunk is in (0: no token)
 
 
 @dataclass(slots=True)
@@ -44,9 +47,9 @@ class EndData:
     finish_reasons: list[str] | None = None  # per choice, when n > 1
 
 
-def chunk_data(text: str, num_tokens: int, logprobs: list[Any] | None, index: int = 0,
-               finish_reason: str | None = None) -> str:
-    payload: dict[str, Any] = {"text": text, "n": num_tokens}
+def chunk_data(text: str, token_ids: list[int], position: int, logprobs: list[Any] | None,
+               index: int = 0, finish_reason: str | None = None) -> str:
+    payload: dict[str, Any] = {"text": text, "n": len(token_ids), "t": token_ids, "p": position}
     if logprobs is not None:
         payload["lp"] = logprobs
     if index:
@@ -80,7 +83,7 @@ def parse(event: StreamEvent) -> ChunkData | EndData:
     data = json.loads(event.data)
     if event.type == CHUNK:
         return ChunkData(data["text"], int(data["n"]), data.get("lp"), int(data.get("i", 0)),
-                         data.get("fr"))
+                         data.get("fr"), data.get("t"), int(data.get("p", 0)))
     return EndData(
         finish_reason=data.get("finish_reason"),
         prompt_tokens=int(data.get("prompt_tokens", 0)),

@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 from router import keys, response_events
 from router.api_keys import ApiKeys, Principal
 from router.config import ApiSettings, QueueSettings
-from router.dispatcher import Dispatcher, DispatchSettings, ReplicaPool
+from router.dispatcher import Dispatcher, DispatchSettings
 from router.errors import InvalidRequestError, NotFoundError
 from router.messages import AdmitRequest, CancelOutcome, RequestState
 from router.metrics import (
@@ -39,6 +39,7 @@ from router.metrics import (
 from router.openai_models import ChatCompletionRequest, CompletionRequest
 from router.prompt_tokenizer import ModelInfo, PromptTokenizer
 from router.queues import TenantQueues
+from router.relay import ReplicaPool
 from router.sampling import check_sampling, sampling_wire
 from router.scripts import Scripts
 from router.stream_mux import StreamMux
@@ -83,10 +84,12 @@ class RouterService:
         self.api_keys = ApiKeys(scripts)
         self.queues = TenantQueues(scripts, options.queues)
         self.mux = StreamMux(client)
-        self.dispatcher = Dispatcher(self.queues, replicas, self.tokenizer, holder,
-                                     options.dispatch, options.tracing)
-        self.holder = holder
         self.metrics = MetricsStore()
+        self.dispatcher = Dispatcher(
+            self.queues, replicas, self.tokenizer, holder, options.dispatch, options.tracing,
+            on_migration=lambda tenant, reason: self.metrics.inc("fairserve_migrations",
+                                                                 (tenant, reason)))
+        self.holder = holder
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:

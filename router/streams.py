@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from router import keys
@@ -20,6 +21,20 @@ from router.messages import Lease, LeaseStatus, StreamEvent
 from router.scripts import Script, Scripts
 
 START = "0-0"
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One event for a response stream; a token chunk names its choice and the position it
+    brings that choice to (0: not a token chunk, never dropped)."""
+
+    type: str
+    data: str
+    choice: int = 0
+    position: int = 0
+
+    def parts(self) -> list[str]:
+        return [self.type, self.data, str(self.choice), str(self.position)]
 READ_BLOCK_MS = 1_000
 READ_BATCH = 256
 
@@ -29,15 +44,16 @@ class ResponseStreams:
         self.scripts = scripts
         self.client = scripts.client
 
-    async def append(self, lease: Lease, events: list[tuple[str, str]]) -> LeaseStatus:
-        """Append (type, data) events; returns whether a cancel was requested. ``deadline_ms`` of
-        the status is 0: appending does not renew the lease."""
+    async def append(self, lease: Lease, events: list[Event]) -> LeaseStatus:
+        """Append events; returns whether a cancel was requested. ``deadline_ms`` of the status
+        is 0: appending does not renew the lease. An event with a position at or below what its
+        choice has in the stream already is dropped (written once, whoever writes it again)."""
         (result,) = await self.append_many([(lease, events)])
         if isinstance(result, LeaseLostError):
             raise result
         return result
 
-    async def append_many(self, entries: list[tuple[Lease, list[tuple[str, str]]]]
+    async def append_many(self, entries: list[tuple[Lease, list[Event]]]
                           ) -> list[LeaseStatus | LeaseLostError]:
         """Appends for several requests in one script call; each entry's status, or the
         ``LeaseLostError`` of an entry whose lease is gone (the others are still written)."""
@@ -45,7 +61,7 @@ class ResponseStreams:
         for lease, events in entries:
             args += [keys.check_tenant_id(lease.tenant_id), keys.check_request_id(lease.request_id),
                      lease.holder, str(lease.attempt), str(len(events))]
-            args += [part for event in events for part in event]
+            args += [part for event in events for part in event.parts()]
         replies = await self.scripts.run(Script.APPEND, len(entries), *args)
         results: list[LeaseStatus | LeaseLostError] = []
         for (lease, _), reply in zip(entries, replies, strict=True):
@@ -101,11 +117,11 @@ class AppendBatcher:
 
     def __init__(self, streams: ResponseStreams) -> None:
         self.streams = streams
-        self._pending: list[tuple[Lease, list[tuple[str, str]], asyncio.Future[LeaseStatus]]] = []
+        self._pending: list[tuple[Lease, list[Event], asyncio.Future[LeaseStatus]]] = []
         self._is_flushing = False
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def append(self, lease: Lease, events: list[tuple[str, str]]) -> LeaseStatus:
+    async def append(self, lease: Lease, events: list[Event]) -> LeaseStatus:
         future: asyncio.Future[LeaseStatus] = asyncio.get_running_loop().create_future()
         self._pending.append((lease, events, future))
         if not self._is_flushing:

@@ -88,6 +88,7 @@ class EngineCore:
         self._eos = frozenset(eos)
         self._outputs: dict[str, RequestOutput] = {}  # by sequence id
         self._families: dict[str, _Family] = {}  # by request id
+        self._num_steps = 0
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
             config.model, self.cache_shape.num_blocks, config.block_size, self.max_model_len,
@@ -229,6 +230,7 @@ class EngineCore:
         return self.scheduler.has_unfinished
 
     def step(self) -> list[Chunk]:
+        self._num_steps += 1
         output = self.scheduler.schedule()
         if output.is_empty:
             return []
@@ -279,6 +281,7 @@ class EngineCore:
             num_free_kv_blocks=self.block_manager.num_free_blocks,
             num_total_kv_blocks=self.block_manager.num_total_blocks,
             num_free_slots=max(0, self.config.max_num_seqs - running - waiting),
+            num_steps=self._num_steps,
         )
 
 

@@ -128,6 +128,7 @@ class LoadSnapshot:
     num_free_kv_blocks: int
     num_total_kv_blocks: int
     num_free_slots: int  # how many more requests it would start now (max_num_seqs - running - waiting)
+    num_steps: int = 0  # steps taken since start: a stuck step loop stops counting
 
     @property
     def kv_usage(self) -> float:

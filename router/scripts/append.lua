@@ -1,31 +1,41 @@
 -- append: add response events to requests' streams, for the current lease holders only (a
--- dispatcher whose lease was taken over cannot write a duplicate token). One call appends for
--- a batch of requests (the chunks one engine step produced for all of them); each entry is
--- checked on its own.
--- KEYS: none passed. Reads fs:{t}:req:<id>; writes fs:{t}:stream:<id>.
+-- dispatcher whose lease was taken over cannot write), and each token chunk only once: a chunk
+-- carries the position it brings its choice to (the choice's output tokens so far), and one at
+-- or below the position already written is dropped (a migrated or revived writer that sends
+-- tokens the client already has writes nothing). One call appends for a batch of requests
+-- (the chunks one engine step produced for all of them); each entry is checked on its own.
+-- KEYS: none passed. Reads fs:{t}:req:<id>; writes fs:{t}:stream:<id>, fs:{t}:req:<id>
+--   (field pos:<choice>).
 -- ARGV: 2 number of entries n, then n groups: tenant, request id, holder id, attempt, number
---   of events m, then m pairs of (event type, data).
--- Returns a list of n replies, in order: {"ok", last event id, cancel requested 0/1} or
---   {"stale", state or "missing"}.
+--   of events m, then m groups of (event type, data, choice, position; position 0: unfenced).
+-- Returns a list of n replies, in order: {"ok", last event id, cancel requested 0/1, events
+--   dropped as already written} or {"stale", state or "missing"}.
 local n = tonumber(ARGV[2])
 local replies = {}
 local b = 3
 for e = 1, n do
   local t, rid, holder, attempt = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3]
   local m = tonumber(ARGV[b + 4])
-  local first, after = b + 5, b + 5 + 2 * m
+  local first, after = b + 5, b + 5 + 4 * m
   local r = load_request(t, rid)
   if not lease_ok(r, holder, attempt) then
     replies[e] = {'stale', r and r.state or 'missing'}
   else
-    local sk = key('stream', t, rid)
-    local last = ''
-    for i = first, after - 1, 2 do
-      last = redis.call('XADD', sk, 'MAXLEN', '~', K.stream_max_events, '*', 'type', ARGV[i],
-                        'data', ARGV[i + 1])
+    local sk, rk = key('stream', t, rid), key('request', t, rid)
+    local last, dropped = '', 0
+    for i = first, after - 1, 4 do
+      local position = tonumber(ARGV[i + 3])
+      local field = 'pos:' .. ARGV[i + 2]
+      if position > 0 and position <= tonumber(redis.call('HGET', rk, field) or '0') then
+        dropped = dropped + 1
+      else
+        last = redis.call('XADD', sk, 'MAXLEN', '~', K.stream_max_events, '*', 'type', ARGV[i],
+                          'data', ARGV[i + 1])
+        if position > 0 then redis.call('HSET', rk, field, position) end
+      end
     end
     redis.call('EXPIRE', sk, K.stream_idle_ttl_s)
-    replies[e] = {'ok', last, tonumber(r.cancel)}
+    replies[e] = {'ok', last, tonumber(r.cancel), dropped}
   end
   b = after
 end
