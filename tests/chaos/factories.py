@@ -1,0 +1,108 @@
+"""A real cluster for chaos tests, in its own process (``fairserve up``, as a user runs it), and
+ways to hurt it: find its Ray worker processes by their titles, kill or freeze them; stream
+requests and keep what each client saw, event by event."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from tests.cluster.factories import UpProcess
+
+MODEL = "SmolLM2-135M-Instruct"
+REPLICA_TITLE = "ServeReplica:fairserve:ModelReplica"
+ROUTER_TITLE = "ServeReplica:fairserve:Router"
+
+
+def start(tmp_path: Path, settings: dict[str, Any]) -> tuple[UpProcess, str, str, str]:
+    """``fairserve up`` with ``settings`` (YAML); its process, base URL, key and Redis URL."""
+    config = tmp_path / "fairserve.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    up = UpProcess(tmp_path, "--config", str(config))
+    out = up.wait_ready()
+    if "API key:" not in out:
+        up.kill()
+        raise AssertionError(f"fairserve up did not serve:\n{out}")
+    run = json.loads((tmp_path / "run.json").read_text())
+    key = (tmp_path / "demo-key").read_text().strip()
+    return up, run["base_url"], key, run["redis_url"]
+
+
+def pids_titled(title: str) -> list[int]:
+    """Processes whose command line (Ray's process title) contains ``title``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if title in cmdline:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def kill(pid: int, sig: signal.Signals = signal.SIGKILL) -> None:
+    os.kill(pid, sig)
+
+
+@dataclass
+class StreamResult:
+    """What one streaming client saw."""
+
+    text: str = ""
+    events: list[dict[str, Any]] = field(default_factory=list)
+    event_ids: list[str] = field(default_factory=list)
+    errors: list[Any] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    num_done: int = 0
+    status: int = 0
+
+
+async def stream_chat(client: httpx.AsyncClient, base: str, key: str, body: dict[str, Any],
+                      result: StreamResult, headers: dict[str, str] | None = None) -> None:
+    """One streamed chat completion, every event kept (text, ids, errors, the end)."""
+    async with client.stream("POST", f"{base}/chat/completions", json={**body, "stream": True},
+                             headers={"Authorization": f"Bearer {key}", **(headers or {})}
+                             ) as response:
+        result.status = response.status_code
+        async for line in response.aiter_lines():
+            if line.startswith("id:"):
+                result.event_ids.append(line[3:].strip())
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                result.num_done += 1
+                continue
+            event = json.loads(payload)
+            result.events.append(event)
+            if "error" in event:
+                result.errors.append(event["error"])
+                continue
+            if event.get("usage"):
+                result.usage = event["usage"]
+            for choice in event.get("choices", []):
+                result.text += choice.get("delta", {}).get("content") or ""
+                if choice.get("finish_reason"):
+                    result.finish_reasons.append(choice["finish_reason"])
+
+
+async def wait_for_tokens(results: list[StreamResult], min_chars: int, timeout_s: float) -> None:
+    """Until every stream has at least ``min_chars`` of text (so a kill lands mid-stream)."""
+    deadline = time.monotonic() + timeout_s
+    while any(len(r.text) < min_chars for r in results):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"streams did not start: {[len(r.text) for r in results]}")
+        await asyncio.sleep(0.05)

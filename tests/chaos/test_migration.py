@@ -1,0 +1,104 @@
+"""kill -9 of a model replica under 16 streams: no client sees it. Each request resumes on
+another replica (or the same one, restarted by Ray) from the tokens it had sent, and every
+client's text equals the same request's uninterrupted run, with one finish reason, one
+[DONE], no error and a usage that counts each token once. Greedy and seeded."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.chaos.factories import (
+    MODEL,
+    REPLICA_TITLE,
+    StreamResult,
+    kill,
+    pids_titled,
+    start,
+    stream_chat,
+    wait_for_tokens,
+)
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.e2e]
+
+NUM_STREAMS = 16
+MAX_TOKENS = 48
+TOPICS = ["a lighthouse", "the moon", "a red fox", "a city at night", "an old clock",
+          "a river", "a mountain village", "a violin", "the first snow", "a ship", "a garden",
+          "a library", "a desert", "a train", "an island", "a bakery"]
+
+
+def settings(num_replicas: int) -> dict[str, Any]:
+    return {
+        "engine": {"num_threads": 1, "max_num_seqs": 32},
+        "replicas": {"num_replicas": num_replicas, "num_cpus": 0.5,
+                     "max_ongoing_requests": NUM_STREAMS, "graceful_shutdown_timeout_s": 5},
+        "router": {"num_replicas": 1, "num_cpus": 0.25,
+                   "dispatch": {"max_migrations": 3, "stall_timeout_s": 10}},
+    }
+
+
+def bodies() -> list[dict[str, Any]]:
+    out = []
+    for i, topic in enumerate(TOPICS[:NUM_STREAMS]):
+        sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "seed": 100 + i}
+        out.append({"model": MODEL, "max_tokens": MAX_TOKENS, "ignore_eos": True, **sampling,
+                    "messages": [{"role": "user", "content": f"Tell me a story about {topic}."}],
+                    "stream_options": {"include_usage": True}})
+    return out
+
+
+async def references(base: str, key: str) -> list[str]:
+    """Each request run alone, nothing killed."""
+    texts = []
+    async with httpx.AsyncClient(timeout=300) as client:
+        for body in bodies():
+            result = StreamResult()
+            await stream_chat(client, base, key, body, result)
+            assert not result.errors, result.errors
+            texts.append(result.text)
+    return texts
+
+
+async def kill_a_replica_under_load(base: str, key: str) -> tuple[list[StreamResult], int]:
+    results = [StreamResult() for _ in range(NUM_STREAMS)]
+    async with httpx.AsyncClient(timeout=600) as client:
+        tasks = [asyncio.create_task(stream_chat(client, base, key, body, result))
+                 for body, result in zip(bodies(), results, strict=True)]
+        await wait_for_tokens(results, min_chars=8, timeout_s=120)
+        (victim, *_) = pids_titled(REPLICA_TITLE)
+        kill(victim, signal.SIGKILL)
+        await asyncio.gather(*tasks)
+    return results, victim
+
+
+def check(results: list[StreamResult], expected: list[str]) -> None:
+    for i, (result, text) in enumerate(zip(results, expected, strict=True)):
+        assert result.status == 200 and not result.errors, (i, result.errors)
+        assert result.num_done == 1 and result.finish_reasons == ["length"], (i, result)
+        assert result.text == text, (i, result.text, text)
+        assert result.usage is not None and result.usage["completion_tokens"] == MAX_TOKENS, (
+            i, result.usage)
+
+
+@pytest.mark.parametrize("num_replicas", [2, 1], ids=["two-replicas", "one-restarted"])
+def test_kill_9_of_a_replica_under_16_streams_is_invisible_to_clients(tmp_path,
+                                                                       num_replicas) -> None:
+    up, base, key, _ = start(tmp_path, settings(num_replicas))
+    try:
+        expected = asyncio.run(references(base, key))
+        before = pids_titled(REPLICA_TITLE)
+        assert len(before) == num_replicas
+        results, victim = asyncio.run(kill_a_replica_under_load(base, key))
+        check(results, expected)
+        assert victim not in pids_titled(REPLICA_TITLE)  # it really died
+        metrics = httpx.get(base.removesuffix("/v1") + "/metrics", timeout=30).text
+        migrated = [line for line in metrics.splitlines()
+                    if line.startswith("fairserve_migrations_total")]
+        assert migrated and sum(float(line.rsplit(" ", 1)[1]) for line in migrated) >= 1
+    finally:
+        up.stop()
