@@ -4,9 +4,17 @@ where errors become OpenAI error bodies.
 Streams: ``data: {chunk}`` lines, the first chat chunk carrying the role, the last one the
 finish reason; with ``stream_options.include_usage`` every chunk has ``"usage": null`` and one
 more chunk with empty ``choices`` carries the usage; then ``data: [DONE]``. An error after the
-response has started is sent as ``data: {"error": ...}`` and the stream ends.
+response has started is sent as ``data: {"error": ...}`` and the stream ends. Every message
+but the openers carries an ``id:``, the id of the response-stream event it came from.
 
-A client that disconnects cancels its request (queued: it leaves its queue and is refunded;
+Resuming: a client that lost its stream asks for what followed the last id it saw, with the
+``Last-Event-ID`` header (or ``starting_after``): on ``GET /v1/chat/completions/{id}?stream=true``
+(``/v1/completions/{id}``; the id is ``X-Fairserve-Request-Id``), or by sending the request
+again with the same ``Idempotency-Key``. Without ``stream``, the GET waits for the completion
+and returns it. Only the tenant that made the request can read it (another key: 404).
+
+A client that disconnects detaches: the request goes on for ``api.detach_grace_s`` (a client
+may come back), then, with no reader, it is cancelled (queued: it leaves its queue, refunded;
 running: the engine aborts it and frees its KV blocks). Ray Serve cancels the handler when the
 HTTP client goes away; a streaming response's generator is closed.
 """
@@ -20,7 +28,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Header, Request
+from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -28,7 +36,13 @@ from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.api_keys import Principal
-from router.errors import InvalidRequestError, OverloadedError, RateLimitError, RouterError
+from router.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    OverloadedError,
+    RateLimitError,
+    RouterError,
+)
 from router.metrics import UNKNOWN_TENANT
 from router.openai_models import (
     ChatCompletion,
@@ -39,9 +53,11 @@ from router.openai_models import (
     ErrorBody,
     ModelList,
 )
-from router.request_observer import PhaseTimes, RequestObserver
+from router.request_observer import RequestObserver
 from router.response_events import ChunkData, EndData
-from router.service import RouterService, Submission
+from router.service import RouterService
+from router.shaper import Shape, Shaper
+from router.streams import START
 from router.tracing import ServerSpans
 
 logger = logging.getLogger(__name__)
@@ -52,12 +68,17 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (401, "missing, unknown or revoked API key"),
         (403, "the key's tenant is disabled"),
         (404, "unknown model"),
-        (409, "an Idempotency-Key reused for a different request"),
+        (422, "an Idempotency-Key reused for a different request"),
         (413, "body too large, or the request alone exceeds a tenant limit"),
         (429, "quota reached or the tenant's queue is full (see Retry-After)"),
         (503, "Redis unreachable or the cluster is shedding load (see Retry-After)"),
     )
 }
+
+
+RESUME_DESCRIPTION: dict[str, Any] = {
+    "description": "the completion once it ends, or with stream=true its SSE stream after "
+    "the given event (Last-Event-ID or starting_after; from the start without)"}
 
 
 def build_api(service: RouterService) -> FastAPI:
@@ -97,8 +118,23 @@ def build_api(service: RouterService) -> FastAPI:
         body: ChatCompletionRequest,
         authorization: str | None = Header(None),
         idempotency_key: str | None = Header(None),
+        last_event_id: str | None = Header(None, description="with a repeated Idempotency-Key: "
+                                           "resume the stream after this event id"),
     ) -> Any:
-        return await _respond(service, body, authorization, idempotency_key)
+        return await _respond(service, body, authorization, idempotency_key, last_event_id)
+
+    @app.get("/v1/chat/completions/{request_id}", response_model=ChatCompletion,
+             summary="a chat completion by id: resume its stream, or wait for it",
+             responses={**ERROR_RESPONSES, 200: RESUME_DESCRIPTION})
+    async def chat_completion(
+        request_id: str, stream: bool = False,
+        starting_after: str | None = Query(None, description="the last event id seen"),
+        authorization: str | None = Header(None),
+        last_event_id: str | None = Header(None, description="the last event id seen"),
+    ) -> Any:
+        param = "starting_after" if starting_after else "Last-Event-ID"
+        return await _resume(service, True, request_id, stream, starting_after or last_event_id,
+                             param, authorization)
 
     @app.post("/v1/completions", response_model=Completion, responses={
         **ERROR_RESPONSES, 200: {"description": "a completion, or with stream=true an SSE "
@@ -107,31 +143,59 @@ def build_api(service: RouterService) -> FastAPI:
         body: CompletionRequest,
         authorization: str | None = Header(None),
         idempotency_key: str | None = Header(None),
+        last_event_id: str | None = Header(None, description="with a repeated Idempotency-Key: "
+                                           "resume the stream after this event id"),
     ) -> Any:
-        return await _respond(service, body, authorization, idempotency_key)
+        return await _respond(service, body, authorization, idempotency_key, last_event_id)
+
+    @app.get("/v1/completions/{request_id}", response_model=Completion,
+             summary="a completion by id: resume its stream, or wait for it",
+             responses={**ERROR_RESPONSES, 200: RESUME_DESCRIPTION})
+    async def completion(
+        request_id: str, stream: bool = False,
+        starting_after: str | None = Query(None, description="the last event id seen"),
+        authorization: str | None = Header(None),
+        last_event_id: str | None = Header(None, description="the last event id seen"),
+    ) -> Any:
+        param = "starting_after" if starting_after else "Last-Event-ID"
+        return await _resume(service, False, request_id, stream, starting_after or last_event_id,
+                             param, authorization)
 
     return app
 
 
 async def _respond(service: RouterService, body: ChatCompletionRequest | CompletionRequest,
-                   authorization: str | None, idempotency_key: str | None) -> Any:
+                   authorization: str | None, idempotency_key: str | None,
+                   last_event_id: str | None) -> Any:
     observer = RequestObserver(service.metrics, body)
     try:
         principal: Principal = await service.authenticate(authorization)
         observer.tenant = principal.tenant_id
         submission = await service.submit(principal, body, idempotency_key)
+        shape = (await service.shape_of(submission.tenant_id, submission.request_id)
+                 if submission.is_duplicate else submission.shape)
+        # a retry with the same key that says where it was resumes from there
+        after = (await service.position(submission.tenant_id, submission.request_id,
+                                        last_event_id, "Last-Event-ID")
+                 if submission.is_duplicate and last_event_id else START)
     except RouterError as exc:
         observer.refused(exc)
         raise
     observer.admitted(submission.tenant_id, submission.request_id, submission.max_tokens)
-    shaper = _Shaper(body, submission, service.model.served_model_name)
-    if body.stream:
-        return StreamingResponse(_sse(service, submission, shaper, observer),
+    return await _reply(service, submission.tenant_id, shape, observer, body.stream, after)
+
+
+async def _reply(service: RouterService, tenant_id: str, shape: Shape,
+                 observer: RequestObserver, stream: bool, after: str) -> Any:
+    shaper = Shaper(shape)
+    headers = {"X-Fairserve-Request-Id": shape.request_id}
+    await service.attach(tenant_id, shape.request_id)
+    if stream:
+        return StreamingResponse(_sse(service, tenant_id, shaper, observer, after),
                                  media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache",
-                                          "X-Fairserve-Request-Id": submission.request_id})
+                                 headers={"Cache-Control": "no-cache", **headers})
     try:
-        async for item in service.events(submission.tenant_id, submission.request_id):
+        async for _, item in service.events(tenant_id, shape.request_id):
             if isinstance(item, ChunkData):
                 observer.tokens(item.num_tokens)
                 shaper.add(item)
@@ -140,33 +204,54 @@ async def _respond(service: RouterService, body: ChatCompletionRequest | Complet
             _raise_if_failed(item)
             total_s = time.perf_counter() - observer.started_s
             return JSONResponse(shaper.final(item, phases), headers={
-                "X-Fairserve-Request-Id": submission.request_id,
-                "Server-Timing": phases.server_timing(total_s)})
+                **headers, "Server-Timing": phases.server_timing(total_s)})
     except asyncio.CancelledError:  # the client went away
         observer.cancelled()
-        await asyncio.shield(service.cancel(submission.tenant_id, submission.request_id))
+        await asyncio.shield(service.detach(tenant_id, shape.request_id))
         raise
     raise RouterError("the response stream ended without its terminal event")
 
 
-async def _sse(service: RouterService, submission: Submission, shaper: _Shaper,
-               observer: RequestObserver) -> AsyncIterator[str]:
+async def _resume(service: RouterService, is_chat: bool, request_id: str, stream: bool,
+                  position: str | None, param: str, authorization: str | None) -> Any:
+    """``GET /v1/chat/completions/{id}`` (and completions): the request, from ``position``."""
+    observer = RequestObserver(service.metrics, None)
+    try:
+        principal: Principal = await service.authenticate(authorization)
+        observer.tenant = principal.tenant_id
+        shape = await service.shape_of(principal.tenant_id, request_id)
+        if shape.is_chat != is_chat:
+            raise NotFoundError(f"no such {'chat completion' if is_chat else 'completion'} "
+                                f"{request_id!r}", param="request_id")
+        after = (await service.position(principal.tenant_id, request_id, position, param)
+                 if position else START)
+    except RouterError as exc:
+        observer.refused(exc)
+        raise
+    return await _reply(service, principal.tenant_id, shape, observer, stream, after)
+
+
+async def _sse(service: RouterService, tenant_id: str, shaper: Shaper,
+               observer: RequestObserver, after: str) -> AsyncIterator[str]:
+    request_id = shaper.id
     is_ended = False
     try:
-        for opener in shaper.first_chunks():
-            yield _data(opener)
-        async for item in service.events(submission.tenant_id, submission.request_id):
+        if after == START:  # a stream resumed part-way has had its openers
+            for opener in shaper.first_chunks():
+                yield _data(opener)
+        async for event_id, item in service.events(tenant_id, request_id, after):
             if isinstance(item, ChunkData):
                 observer.tokens(item.num_tokens)
-                for payload in shaper.deltas(item):
-                    yield _data(payload)
+                payload = shaper.delta(item)
+                if payload is not None:
+                    yield _data(payload, event_id)
                 continue
             is_ended = True
             phases = observer.ended(item)
             _raise_if_failed(item)
             for payload in shaper.last_chunks(item, phases):
-                yield _data(payload)
-            yield "data: [DONE]\n\n"
+                yield _data(payload, event_id)
+            yield f"id: {event_id}\ndata: [DONE]\n\n"
             return
     except RouterError as exc:
         is_ended = True
@@ -174,11 +259,12 @@ async def _sse(service: RouterService, submission: Submission, shaper: _Shaper,
     finally:
         if not is_ended:  # disconnect (or cancellation of this handler)
             observer.cancelled()
-            await asyncio.shield(service.cancel(submission.tenant_id, submission.request_id))
+            await asyncio.shield(service.detach(tenant_id, request_id))
 
 
-def _data(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+def _data(payload: dict[str, Any], event_id: str | None = None) -> str:
+    data = f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    return data if event_id is None else f"id: {event_id}\n{data}"
 
 
 def _raise_if_failed(end: EndData) -> None:
@@ -196,138 +282,6 @@ def _raise_if_failed(end: EndData) -> None:
         error = RouterError(f"the request was cancelled ({end.reason})")
         error.status, error.code = 499, "cancelled"
         raise error
-
-
-class _Shaper:
-    """Builds OpenAI's chat or completions objects from response events, for ``n`` choices.
-
-    Streams are OpenAI's: a chat stream opens each choice with its role; each chunk carries one
-    choice (by ``index``); a choice's last chunk has its ``finish_reason``; with
-    ``include_usage`` a last chunk with empty ``choices`` has the usage, and with vLLM's
-    ``continuous_usage_stats`` every chunk has the usage so far.
-    """
-
-    def __init__(self, body: ChatCompletionRequest | CompletionRequest, submission: Submission,
-                 model: str) -> None:
-        self.is_chat = isinstance(body, ChatCompletionRequest)
-        self.include_usage = body.include_usage
-        self.continuous_usage = body.continuous_usage
-        self.num_choices = body.n
-        self.id = submission.request_id
-        self.model = model
-        self.created = int(time.time())
-        self.prompt_tokens = submission.prompt_tokens
-        self.num_tokens = 0  # all choices together
-        self.texts: list[list[str]] = [[] for _ in range(body.n)]
-        self.logprobs: list[list[Any]] = [[] for _ in range(body.n)]
-        self.finished: set[int] = set()
-        self.wants_logprobs = bool(body.logprobs) if self.is_chat else body.logprobs is not None
-
-    def _envelope(self, choices: list[dict[str, Any]], streaming: bool) -> dict[str, Any]:
-        kind = ("chat.completion.chunk" if streaming else "chat.completion") if self.is_chat \
-            else "text_completion"
-        out: dict[str, Any] = {"id": self.id, "object": kind, "created": self.created,
-                               "model": self.model, "choices": choices}
-        if streaming and self.include_usage:
-            out["usage"] = None if not self.continuous_usage else {
-                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.num_tokens,
-                "total_tokens": self.prompt_tokens + self.num_tokens}
-        return out
-
-    def _choice(self, index: int, text: str | None, logprobs: Any,
-                finish: str | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
-        if self.is_chat:
-            choice["delta"] = {} if text is None else {"content": text}
-        else:
-            choice["text"] = text or ""
-        return choice
-
-    def add(self, chunk: ChunkData) -> None:
-        self.num_tokens += chunk.num_tokens
-        self.texts[chunk.index].append(chunk.text)
-        if chunk.logprobs:
-            self.logprobs[chunk.index].extend(chunk.logprobs)
-
-    def first_chunks(self) -> list[dict[str, Any]]:
-        """Chat streams open each choice with the role (as OpenAI's do); completions start
-        with text."""
-        if not self.is_chat:
-            return []
-        return [self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                 "logprobs": None, "finish_reason": None}], True)
-                for i in range(self.num_choices)]
-
-    def deltas(self, chunk: ChunkData) -> list[dict[str, Any]]:
-        index = chunk.index
-        offset = sum(map(len, self.texts[index]))
-        logprobs = self._logprobs(chunk.logprobs or [], offset) if self.wants_logprobs else None
-        self.add(chunk)
-        out = []
-        if chunk.text or chunk.num_tokens:
-            out.append(self._envelope([self._choice(index, chunk.text, logprobs, None)], True))
-        if chunk.finish_reason is not None:
-            out.append(self._finish_chunk(index, chunk.finish_reason))
-        return out
-
-    def _finish_chunk(self, index: int, reason: str | None) -> dict[str, Any]:
-        self.finished.add(index)
-        return self._envelope([self._choice(index, None, None, reason)], True)
-
-    def last_chunks(self, end: EndData, phases: PhaseTimes) -> list[dict[str, Any]]:
-        reasons = self._reasons(end)
-        chunks = [self._finish_chunk(i, reasons[i]) for i in range(self.num_choices)
-                  if i not in self.finished]
-        if self.include_usage:
-            usage = self._envelope([], True)
-            usage["usage"] = _usage(end, phases)
-            chunks.append(usage)
-        return chunks
-
-    def _reasons(self, end: EndData) -> list[str | None]:
-        """Each choice's finish reason (one choice: the request's)."""
-        if end.finish_reasons is not None:
-            return list(end.finish_reasons)
-        return [end.finish_reason] * self.num_choices
-
-    def final(self, end: EndData, phases: PhaseTimes) -> dict[str, Any]:
-        reasons = self._reasons(end)
-        choices = []
-        for i in range(self.num_choices):
-            text = "".join(self.texts[i])
-            logprobs = self._logprobs(self.logprobs[i], 0) if self.wants_logprobs else None
-            choice: dict[str, Any] = {"index": i, "logprobs": logprobs,
-                                      "finish_reason": reasons[i]}
-            choice |= {"message": {"role": "assistant", "content": text}} if self.is_chat \
-                else {"text": text}
-            choices.append(choice)
-        out = self._envelope(choices, False)
-        out["usage"] = _usage(end, phases)
-        return out
-
-    def _logprobs(self, items: list[Any], offset: int) -> dict[str, Any]:
-        if self.is_chat:
-            return {"content": [{
-                "token": tok, "logprob": lp, "bytes": list(tok.encode()),
-                "top_logprobs": [{"token": t, "logprob": p, "bytes": list(t.encode())}
-                                 for t, p in top]} for tok, lp, top in items]}
-        offsets, position = [], offset
-        for tok, _, _ in items:
-            offsets.append(position)
-            position += len(tok)
-        return {"tokens": [tok for tok, _, _ in items],
-                "token_logprobs": [lp for _, lp, _ in items],
-                "top_logprobs": [dict(top) for _, _, top in items],
-                "text_offset": offsets}
-
-
-def _usage(end: EndData, phases: PhaseTimes) -> dict[str, Any]:
-    """OpenAI's usage, plus ``timings_ms``: where the request's time went (queue,
-    engine_queue, prefill, decode), as in the ``Server-Timing`` header."""
-    return {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
-            "total_tokens": end.prompt_tokens + end.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": end.cached_tokens},
-            "timings_ms": phases.as_ms()}
 
 
 # ---- errors: the one place they become OpenAI bodies ----

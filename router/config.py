@@ -39,6 +39,11 @@ class ApiSettings(BaseModel):
     allow_scale_from_zero: bool = Field(
         False, description="/ready is true with no replica running (autoscaling starts one)"
     )
+    detach_grace_s: float = Field(
+        30.0, ge=0, le=3600,
+        description="a request whose client went away goes on this long (the client may "
+        "resume it), then is cancelled and refunded; 0: at once",
+    )
     max_n: int = Field(
         8, ge=1, le=128,
         description="most choices (OpenAI's n) one request may ask for; each is a sequence in "

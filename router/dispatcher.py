@@ -123,6 +123,10 @@ class Dispatcher:
             if reaped.num_requeued or reaped.num_dead:
                 logger.warning("reaper: %d requeued, %d dead-lettered", reaped.num_requeued,
                                reaped.num_dead)
+            num_cancelled = await self.queues.reap_detached()
+            if num_cancelled:
+                logger.info("cancelled %d requests nobody read for the grace period",
+                            num_cancelled)
         slots = await self.capacity.total_slots()
         if slots <= 0:
             return

@@ -54,6 +54,14 @@ class ConflictError(RouterError):
     code = "conflict"
 
 
+class IdempotencyKeyReusedError(RouterError):
+    """An Idempotency-Key sent again with another request (the IETF draft's 422)."""
+
+    status = 422
+    type = "invalid_request_error"
+    code = "idempotency_key_reused"
+
+
 class RequestTooLargeError(RouterError):
     """The request alone exceeds a limit that time will not lift (TPM, daily budget)."""
 

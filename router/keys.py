@@ -14,6 +14,7 @@ Layout (prefix ``fs``):
   ``fs:{sched}:classes`` (ZSET of priority classes with backlog), ``fs:{sched}:ready:<class>``
   (ZSET tenant -> start tag of its head request), ``fs:{sched}:vtime`` (HASH class -> virtual
   time), ``fs:{sched}:leases`` (ZSET ``"<tenant> <id>"`` -> lease deadline in ms),
+  ``fs:{sched}:detached`` (ZSET ``"<tenant> <id>"`` -> when a request nobody reads is cancelled),
   ``fs:{sched}:replicas`` (ZSET replica id -> time of its last load report in ms),
   ``fs:{sched}:replica:<id>`` (STRING, the replica's last load report as JSON, with a TTL), and
   the pub/sub channel ``fs:{sched}:wake`` (admissions wake the dispatchers).
@@ -65,6 +66,7 @@ _TEMPLATES: dict[str, str] = {
     "ready": PREFIX + ":{sched}:ready:%s",
     "vtime": PREFIX + ":{sched}:vtime",
     "leases": PREFIX + ":{sched}:leases",
+    "detached": PREFIX + ":{sched}:detached",
     "replicas": PREFIX + ":{sched}:replicas",
     "replica": PREFIX + ":{sched}:replica:%s",
     "wake": PREFIX + ":{sched}:wake",
@@ -84,6 +86,10 @@ SCRIPT_CONSTANTS: dict[str, str | int] = {
     "dead_ttl_s": DEAD_LETTER_TTL_S,
     "stream_max_events": STREAM_MAX_EVENTS,
 }
+
+
+def detached() -> str:
+    return _TEMPLATES["detached"]
 
 
 def check_tenant_id(tenant_id: str) -> str:

@@ -35,13 +35,15 @@ charge.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from typing import Any, cast
 
 from router import keys
 from router.config import QueueSettings
 from router.errors import (
-    ConflictError,
+    IdempotencyKeyReusedError,
     InvalidRequestError,
     LeaseLostError,
     NotFoundError,
@@ -193,6 +195,39 @@ class TenantQueues:
                                        self.settings.reap_batch)
         return ReapResult(*(int(n) for n in reply))
 
+    # ---- readers: detached requests are cancelled after a grace period ----
+
+    async def attach(self, tenant_id: str, request_id: str) -> None:
+        """A client reads the request's stream: it is not detached (any more)."""
+        await self._readers(tenant_id, request_id, "attach", 0)
+
+    async def detach(self, tenant_id: str, request_id: str, grace_ms: int) -> None:
+        """A client went away; with no reader left the request is cancelled in ``grace_ms``
+        unless one comes back (``attach``)."""
+        deadline = int(time.time() * 1000) + grace_ms
+        await self._readers(tenant_id, request_id, "detach", deadline)
+
+    async def _readers(self, tenant_id: str, request_id: str, mode: str, deadline_ms: int) -> None:
+        reply = await self.scripts.run(Script.READERS, keys.check_tenant_id(tenant_id),
+                                       keys.check_request_id(request_id), mode, deadline_ms)
+        if reply[0] == b"missing":
+            raise NotFoundError(f"no request {request_id!r}", param="request_id")
+
+    async def reap_detached(self, limit: int = 100) -> int:
+        """Cancel the detached requests whose grace has run out; returns how many."""
+        now_ms = int(time.time() * 1000)
+        members = cast(list[bytes], await self.client.zrangebyscore(
+            keys.detached(), "-inf", now_ms, start=0, num=limit))
+        num_cancelled = 0
+        for member in members:
+            if not await self.client.zrem(keys.detached(), member):
+                continue  # a reader came back, or another dispatcher took it
+            tenant_id, _, request_id = member.decode().partition(" ")
+            with contextlib.suppress(NotFoundError):
+                await self.cancel(tenant_id, request_id, "detached")
+                num_cancelled += 1
+        return num_cancelled
+
     # ---- cancellation and inspection ----
 
     async def cancel(self, tenant_id: str, request_id: str, reason: str = "client") -> CancelOutcome:
@@ -247,9 +282,9 @@ def _admission(request: AdmitRequest, reply: list[Any]) -> Admission:
     if verdict == "duplicate":
         return Admission(request.request_id, RequestState(reply[1].decode()), True, None)
     if verdict == "conflict":
-        raise ConflictError(
-            f"request id {request.request_id!r} was already used for a different request",
-            param="request_id",
+        raise IdempotencyKeyReusedError(
+            f"request id {request.request_id!r} (an Idempotency-Key) was already used for a "
+            "different request", param="Idempotency-Key",
         )
     reason = reply[1].decode()
     if verdict == "too_large":

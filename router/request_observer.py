@@ -54,7 +54,8 @@ class PhaseTimes:
 
 class RequestObserver:
     def __init__(self, metrics: MetricsStore,
-                 body: ChatCompletionRequest | CompletionRequest) -> None:
+                 body: ChatCompletionRequest | CompletionRequest | None) -> None:
+        """``body``: None for a client resuming a request it sent before."""
         self.metrics = metrics
         self.tenant = UNKNOWN_TENANT
         self.started_s = time.perf_counter()
@@ -62,7 +63,7 @@ class RequestObserver:
         self._last_token_s: float | None = None
         self._is_done = False
         self.span = trace.get_current_span()
-        if self.span.is_recording():
+        if body is not None and self.span.is_recording():
             self.span.set_attributes({
                 "gen_ai.operation.name": "chat" if isinstance(body, ChatCompletionRequest)
                 else "text_completion",

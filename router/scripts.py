@@ -36,6 +36,7 @@ class Script(enum.StrEnum):
     KEY_CREATE = "key_create"
     KEY_REVOKE = "key_revoke"
     BACKLOG = "backlog"
+    READERS = "readers"
 
 
 def _lua_constants() -> str:

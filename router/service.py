@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -42,12 +43,20 @@ from router.queues import TenantQueues
 from router.relay import ReplicaPool
 from router.sampling import check_sampling, sampling_wire
 from router.scripts import Scripts
+from router.shaper import Shape
 from router.stream_mux import StreamMux
-from router.tracing import OFF, Tracing, carrier, encode_meta, now_ns
+from router.streams import START
+from router.tracing import OFF, Tracing, carrier, decode_meta, encode_meta, now_ns
 
 logger = logging.getLogger(__name__)
 
 IDEMPOTENCY_KEY_MAX_CHARS = 255
+EVENT_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
+
+
+def _id_order(event_id: str) -> tuple[int, int]:
+    ms, _, seq = event_id.partition("-")
+    return int(ms), int(seq or 0)
 WAKE_READ_S = 1.0
 
 
@@ -61,6 +70,7 @@ class Submission:
     max_tokens: int
     is_duplicate: bool
     queue_depth: int | None
+    shape: Shape  # what its responses look like (stored with it: router/shaper.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +135,9 @@ class RouterService:
         body = json.dumps({"prompt_token_ids": prompt_ids,
                            "sampling": sampling_wire(request, max_tokens)})
         request_id = _request_id(principal.tenant_id, request, idempotency_key)
+        shape = Shape.of(request, request_id, self.model.served_model_name, len(prompt_ids))
         trace_fields = carrier() if self.tracing.is_on else {}
-        meta = encode_meta(trace_fields, now_ns())
+        meta = encode_meta({**trace_fields, "shape": shape.to_wire()}, now_ns())
         admission = await self.queues.admit(AdmitRequest(
             principal.tenant_id, request_id, len(prompt_ids), max_tokens, body, meta,
             num_choices=request.n))
@@ -134,7 +145,7 @@ class RouterService:
             self.dispatcher.wake()
             await self.client.publish(keys.wake_channel(), b"1")
         return Submission(principal.tenant_id, request_id, len(prompt_ids), max_tokens,
-                          admission.is_duplicate, admission.queue_depth)
+                          admission.is_duplicate, admission.queue_depth, shape)
 
     def _prompt_ids(self, request: ChatCompletionRequest | CompletionRequest) -> tuple[list[int], str]:
         if isinstance(request, ChatCompletionRequest):
@@ -175,11 +186,48 @@ class RouterService:
                 param="min_tokens")
         return requested
 
-    async def events(self, tenant_id: str, request_id: str
-                     ) -> AsyncIterator[response_events.ChunkData | response_events.EndData]:
-        async for event in self.mux.read(tenant_id, request_id,
+    async def events(self, tenant_id: str, request_id: str, after: str = START
+                     ) -> AsyncIterator[tuple[str, response_events.ChunkData |
+                                              response_events.EndData]]:
+        """(event id, event) of the request's response stream after ``after``, then live."""
+        async for event in self.mux.read(tenant_id, request_id, after,
                                          idle_timeout_s=self.api.stream_idle_timeout_s):
-            yield response_events.parse(event)
+            yield event.event_id, response_events.parse(event)
+
+    async def shape_of(self, tenant_id: str, request_id: str) -> Shape:
+        """What the responses of a request of this tenant look like; 404 for another's."""
+        meta = cast(bytes | None, await self.client.hget(keys.request(tenant_id, request_id),
+                                                         "meta"))
+        fields = decode_meta(meta.decode()) if meta is not None else {}
+        if "shape" not in fields:
+            raise NotFoundError(f"no request {request_id!r}", param="request_id")
+        return Shape.from_wire(fields["shape"])
+
+    async def position(self, tenant_id: str, request_id: str, event_id: str,
+                       param: str) -> str:
+        """A client's "last event seen", checked: an id of this stream's form, not past its
+        last event (a future id would skip what comes)."""
+        if not EVENT_ID.match(event_id):
+            raise InvalidRequestError(f"{param}: {event_id!r} is not an event id "
+                                      "(<milliseconds>-<sequence>)", param=param)
+        last: Any = await self.client.xrevrange(keys.stream(tenant_id, request_id), count=1)
+        newest = last[0][0].decode() if last else START
+        if _id_order(event_id) > _id_order(newest):
+            raise InvalidRequestError(f"{param}: {event_id!r} is past the stream's last event "
+                                      f"{newest!r}", param=param)
+        return event_id
+
+    async def attach(self, tenant_id: str, request_id: str) -> None:
+        await self.queues.attach(tenant_id, request_id)
+
+    async def detach(self, tenant_id: str, request_id: str) -> None:
+        """The client went away: the request goes on for the grace period, then is cancelled
+        unless a client resumes it."""
+        try:
+            await self.queues.detach(tenant_id, request_id,
+                                     int(self.api.detach_grace_s * 1000))
+        except (NotFoundError, RedisError) as exc:
+            logger.warning("detaching %s failed: %s", request_id, exc)
 
     async def cancel(self, tenant_id: str, request_id: str, reason: str = "client") -> None:
         """The client went away: a queued request leaves its queue, a running one is aborted."""

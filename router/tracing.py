@@ -136,9 +136,10 @@ def context_of(fields: Mapping[str, str] | None) -> Context | None:
     return propagate.extract(dict(fields))
 
 
-def encode_meta(trace_fields: dict[str, str], admitted_ns: int) -> str:
-    """The request's ``meta`` in Redis: its trace context and admission instant."""
-    return json.dumps({**trace_fields, "admitted_ns": admitted_ns}, separators=(",", ":"))
+def encode_meta(fields: Mapping[str, Any], admitted_ns: int) -> str:
+    """The request's ``meta`` in Redis: its trace context, its admission instant, and what
+    else the router keeps with it (its response shape)."""
+    return json.dumps({**fields, "admitted_ns": admitted_ns}, separators=(",", ":"))
 
 
 def decode_meta(meta: str) -> dict[str, Any]:

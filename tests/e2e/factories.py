@@ -86,7 +86,8 @@ def start_cluster(state_dir: Path) -> E2ECluster:
         engine={"num_threads": 1, "max_num_seqs": 32},
         replicas={"num_replicas": NUM_REPLICAS, "num_cpus": 0.5,
                   "max_ongoing_requests": SLOTS_PER_REPLICA, "graceful_shutdown_timeout_s": 5},
-        router={"num_replicas": 2, "num_cpus": 0.25, "port": free_port()},
+        router={"num_replicas": 2, "num_cpus": 0.25, "port": free_port(),
+                "api": {"detach_grace_s": 5.0}},
         redis={"port": free_port()},
         ray={"num_cpus": 2},
     )

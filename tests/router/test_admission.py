@@ -7,7 +7,7 @@ import pytest
 
 from router import keys
 from router.errors import (
-    ConflictError,
+    IdempotencyKeyReusedError,
     InvalidRequestError,
     NotFoundError,
     PermissionDeniedError,
@@ -48,14 +48,14 @@ def test_repeat_id_returns_the_existing_request_never_a_second_copy(redis_url) -
     run(scenario())
 
 
-def test_reused_id_with_another_body_is_a_conflict(redis_url) -> None:
+def test_reused_id_with_another_body_is_422_as_the_idempotency_draft_says(redis_url) -> None:
     async def scenario() -> None:
         async with harness(redis_url) as h:
             await add_tenants(h, Tenant(id="acme"))
             await h.queues.admit(make_request("acme", "r1", max_tokens=20))
-            with pytest.raises(ConflictError) as err:
+            with pytest.raises(IdempotencyKeyReusedError) as err:
                 await h.queues.admit(make_request("acme", "r1", max_tokens=30))
-            assert err.value.param == "request_id"
+            assert err.value.status == 422 and err.value.param == "Idempotency-Key"
             assert await h.queues.depth("acme") == 1
 
     run(scenario())

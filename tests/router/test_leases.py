@@ -9,6 +9,7 @@ from router import keys
 from router.config import QueueSettings
 from router.errors import LeaseLostError, NotFoundError
 from router.messages import CancelOutcome, RequestState
+from router.streams import Event
 from router.tenants import Tenant
 from tests.router.factories import ManualClock, add_tenants, harness, make_request, run
 
@@ -56,10 +57,10 @@ def test_expired_lease_is_reaped_to_the_head_and_the_old_holder_is_fenced(redis_
             for stale in (h.queues.renew(first.lease),
                           h.queues.complete(first.lease, 10, 5, "stop"),
                           h.queues.requeue(first.lease, "replica_died"),
-                          h.streams.append(first.lease, [("chunk", "dup")])):
+                          h.streams.append(first.lease, [Event("chunk", "dup")])):
                 with pytest.raises(LeaseLostError):
                     await stale
-            await h.streams.append(again.lease, [("chunk", "ok")])
+            await h.streams.append(again.lease, [Event("chunk", "ok")])
             assert await h.queues.complete(again.lease, 10, 5, "stop") == 15
             events = [e async for e in h.streams.read("acme", "r0")]
             assert [(e.type, e.data) for e in events] == [("chunk", "ok"), ("end", "{}")]
@@ -107,7 +108,7 @@ def test_cancel_queued_leaves_the_queue_and_running_is_flagged(redis_url) -> Non
             assert [e.type for e in events] == ["end"] and "cancelled" in events[0].data
             assert await h.queues.cancel("acme", "r0") == CancelOutcome.FLAGGED
             assert (await h.queues.renew(running.lease)).is_cancel_requested
-            status = await h.streams.append(running.lease, [("chunk", "x")])
+            status = await h.streams.append(running.lease, [Event("chunk", "x")])
             assert status.is_cancel_requested
             await h.queues.complete(running.lease, 10, 1, "abort", outcome=RequestState.CANCELLED)
             assert await h.queues.cancel("acme", "r0") == CancelOutcome.ALREADY_ENDED
@@ -126,8 +127,8 @@ def test_stream_resumes_from_the_last_event_id(redis_url) -> None:
             await add_tenants(h, Tenant(id="acme"))
             await h.queues.admit(make_request("acme", "r"))
             (g,) = (await h.queues.grant("d", 1)).grants
-            await h.streams.append(g.lease, [("chunk", "a"), ("chunk", "b")])
-            await h.streams.append(g.lease, [("chunk", "c")])
+            await h.streams.append(g.lease, [Event("chunk", "a"), Event("chunk", "b")])
+            await h.streams.append(g.lease, [Event("chunk", "c")])
             assert await h.client.ttl(keys.stream("acme", "r")) == keys.STREAM_IDLE_TTL_S
             await h.queues.complete(g.lease, 10, 3, "stop", '{"usage": 13}')
             events = [e async for e in h.streams.read("acme", "r")]
@@ -157,7 +158,7 @@ def test_reader_blocks_until_the_dispatcher_writes(redis_url) -> None:
             await asyncio.sleep(0.2)
             assert not task.done()
             (g,) = (await h.queues.grant("d", 1)).grants
-            await h.streams.append(g.lease, [("chunk", "hi")])
+            await h.streams.append(g.lease, [Event("chunk", "hi")])
             await h.queues.complete(g.lease, 1, 1, "stop", "done")
             assert await asyncio.wait_for(task, 5) == ["hi", "done"]
 
@@ -209,5 +210,26 @@ def test_grants_never_exceed_the_cluster_capacity_across_dispatchers(redis_url) 
             assert len((await h.queues.grant("d2", 10, capacity=3)).grants) == 1
             assert await h.queues.num_leased() == 3
             assert len((await h.queues.grant("d2", 10)).grants) == 6  # no capacity: free slots
+
+    run(scenario())
+
+
+def test_a_token_chunk_is_written_once_whoever_writes_it_again(redis_url) -> None:
+    """Appends are fenced by position: a migrated or revived writer that sends tokens the
+    client already has writes nothing; other choices and unfenced events are not affected."""
+    async def scenario() -> None:
+        async with harness(redis_url) as h:
+            await add_tenants(h, Tenant(id="acme"))
+            await h.queues.admit(make_request("acme", "r"))
+            (g,) = (await h.queues.grant("d", 1)).grants
+            await h.streams.append(g.lease, [Event("chunk", "a", 0, 1), Event("chunk", "bc", 0, 3),
+                                             Event("chunk", "x", 1, 1)])
+            # a second writer replays positions 1..3 of choice 0, then goes on
+            await h.streams.append(g.lease, [Event("chunk", "a", 0, 1), Event("chunk", "bc", 0, 3),
+                                             Event("chunk", "d", 0, 4), Event("chunk", "x", 1, 1),
+                                             Event("note", "unfenced")])
+            await h.queues.complete(g.lease, 10, 5, "stop")
+            events = [e async for e in h.streams.read("acme", "r")]
+            assert [e.data for e in events[:-1]] == ["a", "bc", "x", "d", "unfenced"]
 
     run(scenario())

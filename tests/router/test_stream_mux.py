@@ -11,7 +11,7 @@ from router.errors import LeaseLostError
 from router.messages import Grant, Lease, LeaseStatus
 from router.redis_client import connect
 from router.stream_mux import READ_BLOCK_MS, StreamMux
-from router.streams import AppendBatcher
+from router.streams import AppendBatcher, Event
 from router.tenants import Tenant
 from tests.router.factories import add_tenants, harness, make_request, run
 
@@ -42,7 +42,7 @@ def test_hundreds_of_readers_share_one_blocking_connection(redis_url) -> None:
                 readers = [asyncio.create_task(reader(g.request_id)) for g in grants]
                 await asyncio.sleep(0.2)
                 for g in grants:
-                    await h.streams.append(g.lease, [("chunk", f"hello {g.request_id}")])
+                    await h.streams.append(g.lease, [Event("chunk", f"hello {g.request_id}")])
                 await h.queues.complete_many([(g.lease, 10, 1, "stop") for g in grants])
                 results = await asyncio.wait_for(asyncio.gather(*readers), 30)
                 assert results == [[f"hello {g.request_id}", "{}"] for g in grants]
@@ -64,7 +64,7 @@ def test_a_new_reader_does_not_wait_for_the_blocked_read(redis_url) -> None:
                 idle_reader = mux.read("acme", first.request_id)
                 idle = asyncio.create_task(anext(idle_reader))
                 await asyncio.sleep(0.3)  # the mux is now blocked on the first stream only
-                await h.streams.append(second.lease, [("chunk", "now")])
+                await h.streams.append(second.lease, [Event("chunk", "now")])
                 started = time.monotonic()
                 reader = mux.read("acme", second.request_id)
                 event = await anext(reader)
@@ -88,11 +88,11 @@ def test_two_readers_of_one_stream_each_get_every_event_once(redis_url) -> None:
             mux = StreamMux(client)
             mux.start()
             try:
-                await h.streams.append(grant.lease, [("chunk", "a"), ("chunk", "b")])
+                await h.streams.append(grant.lease, [Event("chunk", "a"), Event("chunk", "b")])
                 early = mux.read("acme", grant.request_id)
                 seen_early = [(await anext(early)).data, (await anext(early)).data]
                 late = asyncio.create_task(_collect(mux, grant.request_id))
-                await h.streams.append(grant.lease, [("chunk", "c")])
+                await h.streams.append(grant.lease, [Event("chunk", "c")])
                 await h.queues.complete(grant.lease, 10, 3, "stop")
                 seen_early += [e.data async for e in early]
                 assert seen_early == ["a", "b", "c", "{}"]
@@ -116,8 +116,8 @@ def test_concurrent_appends_share_a_script_call_and_a_stale_one_fails_alone(redi
             stale = Lease("acme", grants[0].request_id, "d", grants[0].lease.attempt + 1)
             before = (await h.client.info("commandstats"))["cmdstat_evalsha"]["calls"]
             results = await asyncio.gather(
-                batcher.append(stale, [("chunk", "dup")]),
-                *(batcher.append(g.lease, [("chunk", g.request_id)]) for g in grants),
+                batcher.append(stale, [Event("chunk", "dup")]),
+                *(batcher.append(g.lease, [Event("chunk", g.request_id)]) for g in grants),
                 return_exceptions=True)
             calls = (await h.client.info("commandstats"))["cmdstat_evalsha"]["calls"] - before
             assert isinstance(results[0], LeaseLostError)
