@@ -15,7 +15,9 @@ from cluster.redis_server import free_port
 from cluster.settings import load_settings
 from router import keys
 from router.capacity import ReplicaLoad, read_loads
+from router.messages import RequestRecord
 from router.prompt_tokenizer import ModelInfo
+from router.queues import TenantQueues
 from router.redis_client import connect
 from router.scripts import Scripts
 from router.tenants import Tenant, TenantStore
@@ -49,6 +51,13 @@ class E2ECluster:
     def add_tenant(self, tenant: Tenant) -> str:
         """Create (or replace) a tenant; returns a new API key of it."""
         return add_tenant_with_key(self.redis_url, tenant)
+
+    async def request_record(self, tenant_id: str, request_id: str) -> RequestRecord:
+        client = connect(self.redis_url)
+        try:
+            return await TenantQueues(Scripts(client)).get(tenant_id, request_id)
+        finally:
+            await client.aclose()
 
     async def redis_state(self) -> tuple[int, list[ReplicaLoad], dict[str, int]]:
         """Live leases, replica load reports, and queued requests per tenant."""
