@@ -106,3 +106,65 @@ async def wait_for_tokens(results: list[StreamResult], min_chars: int, timeout_s
         if time.monotonic() > deadline:
             raise AssertionError(f"streams did not start: {[len(r.text) for r in results]}")
         await asyncio.sleep(0.05)
+
+
+async def resilient_stream(client: httpx.AsyncClient, base: str, key: str, body: dict[str, Any],
+                           result: StreamResult, timeout_s: float = 240.0) -> int:
+    """A streaming client that survives its connection: when the stream breaks before its
+    [DONE], it reconnects (``GET /chat/completions/{id}?stream=true`` with the last
+    ``Last-Event-ID`` it saw) until the stream ends. Returns how many times it reconnected."""
+    request_id: str | None = None
+    last_id: str | None = None
+    reconnects = 0
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if request_id is None:
+                request = client.stream("POST", f"{base}/chat/completions",
+                                        json={**body, "stream": True},
+                                        headers={"Authorization": f"Bearer {key}"})
+            else:
+                extra = {"Last-Event-ID": last_id} if last_id else {}
+                request = client.stream(
+                    "GET", f"{base}/chat/completions/{request_id}", params={"stream": "true"},
+                    headers={"Authorization": f"Bearer {key}", **extra})
+            async with request as response:
+                if response.status_code != 200:
+                    raise httpx.TransportError(f"HTTP {response.status_code}")
+                request_id = request_id or response.headers["x-fairserve-request-id"]
+                event_id = None
+                async for line in response.aiter_lines():
+                    if line.startswith("id:"):
+                        event_id = line[3:].strip()
+                        continue
+                    if not line.startswith("data:"):
+                        continue
+                    _take(result, line[5:].strip())
+                    if event_id is not None:
+                        last_id = event_id
+                    event_id = None
+            if result.num_done:
+                return reconnects
+        except (httpx.TransportError, httpx.HTTPError):
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the stream of {request_id} never ended: {result}")
+        reconnects += 1
+        await asyncio.sleep(0.5)
+
+
+def _take(result: StreamResult, payload: str) -> None:
+    if payload == "[DONE]":
+        result.num_done += 1
+        return
+    event = json.loads(payload)
+    result.events.append(event)
+    if "error" in event:
+        result.errors.append(event["error"])
+        return
+    if event.get("usage"):
+        result.usage = event["usage"]
+    for choice in event.get("choices", []):
+        result.text += choice.get("delta", {}).get("content") or ""
+        if choice.get("finish_reason"):
+            result.finish_reasons.append(choice["finish_reason"])
