@@ -59,7 +59,7 @@ SPECS = {spec.name: spec for spec in (
                "refused (reason: the error code), failed", ("tenant", "outcome", "reason")),
     MetricSpec("fairserve_prompt_tokens", "prompt tokens of ended requests", ("tenant",)),
     MetricSpec("fairserve_migrations", "requests moved to another replica mid-way, by why: "
-               "replica_unavailable, stalled, drained, stream_ended_early (router/relay.py)",
+               "replica_unavailable, stalled, stream_ended_early (router/relay.py)",
                ("tenant", "reason")),
     MetricSpec("fairserve_output_tokens", "output tokens sent", ("tenant",)),
     MetricSpec("fairserve_queue_time_seconds", "time in the tenant queue, admission to grant",

@@ -13,13 +13,14 @@ duplicates a token. A request migrates at most ``max_migrations`` times; after t
 with an error event (or, if nothing was sent, goes back to its queue). Each migration is
 counted (``fairserve_migrations_total``) and traced (a ``fairserve.migration`` span).
 
-What triggers one: the replica's stream failing (the actor died, or cannot be reached), the
-replica handing the request back (a graceful drain), and a stall. A Ray stream from a frozen
-process can hang its caller for ever, so the relay does not trust it to end: when no chunk
-came for ``stall_timeout_s`` it looks at the replica's heartbeat in Redis (its load report and
-engine step count). A replica that stopped reporting, or whose engine has made no step while it
-has work, is stalled: its stream is cancelled and the request moves. A slow but healthy engine
-keeps stepping and is left alone.
+What triggers one: the replica's stream failing (the actor died, was killed at the end of a
+graceful drain that outlasted its timeout, or cannot be reached), and a stall. A Ray stream
+from a frozen process can hang its caller for ever, so the relay does not trust it to end: when
+no chunk came for ``stall_timeout_s`` it looks at the replica's heartbeat in Redis (its load
+report, every ``report_interval_s``, with its engine's step count). A replica that stopped
+reporting, or whose engine has made no step for ``stall_timeout_s`` while it has work, is
+stalled: its stream is cancelled and the request moves. A slow but healthy engine (a long
+prefill, a crowded batch) keeps stepping and is left alone.
 """
 
 from __future__ import annotations
@@ -138,8 +139,6 @@ class Relay:
             async for wire in self._watched(running, running.stream):
                 if running.is_cancel_requested:
                     break
-                if wire.get("migrate"):
-                    return "drained"
                 if await self._relay(running, wire, want_logprobs):
                     return None
         except ReplicaUnavailableError as exc:
@@ -198,17 +197,18 @@ class Relay:
             waited = now - watch.last_wire_s
             return f"no replica took the call in {waited:.0f} s" \
                 if waited > ACCEPT_TIMEOUT_S else None
-        if now - watch.last_progress_s < self.settings.stall_timeout_s:
+        if now - watch.last_wire_s < self.settings.stall_timeout_s:
             return None
         raw = await self.client.get(keys.replica(running.replica_id))
         if raw is None:
             return f"replica {running.replica_id} stopped reporting"
         load = ReplicaLoad.from_json(raw)
         if load.num_steps != watch.steps:
-            watch.steps, watch.last_progress_s = load.num_steps, now  # slow, but stepping
+            watch.steps, watch.steps_changed_s = load.num_steps, now  # slow, but stepping
             return None
-        if load.is_busy:
-            return f"replica {running.replica_id} made no engine step in {now - watch.last_progress_s:.0f} s"
+        stuck_s = now - watch.steps_changed_s
+        if load.is_busy and stuck_s >= self.settings.stall_timeout_s:
+            return f"replica {running.replica_id} made no engine step in {stuck_s:.0f} s"
         return None
 
     async def _may_migrate(self, running: Running, reason: str) -> bool:
@@ -314,17 +314,15 @@ class Relay:
 
 @dataclass(slots=True)
 class _Watch:
-    """When the relay last heard from the replica, and its engine's step count then."""
+    """When the relay last heard from the replica, the engine step count its heartbeat last
+    showed, and when that count last changed."""
 
     last_wire_s: float
-    last_progress_s: float = 0.0
     steps: int | None = None
-
-    def __post_init__(self) -> None:
-        self.last_progress_s = self.last_wire_s
+    steps_changed_s: float = 0.0
 
     def seen(self, now: float) -> None:
-        self.last_wire_s = self.last_progress_s = now
+        self.last_wire_s = now
 
 
 async def _all_events(streams: ResponseStreams, grant: Grant) -> AsyncIterator[StreamEvent]:

@@ -1,0 +1,41 @@
+"""Redeploy the running ``fairserve up`` application with changed settings, as an operator's
+``serve deploy`` (or a Helm upgrade's in-place Serve update) does. Run as a script:
+
+    python -m tests.chaos.redeploy CONFIG.yaml REDIS_URL '{"replicas": {"num_replicas": 1}}'
+
+It joins the cluster's Ray (``address="auto"``, the launcher's namespace), builds the
+application from the settings file with the overrides, and ``serve.run``s it over the running
+one: Serve stops the replicas the new version does not keep, each within its graceful shutdown
+timeout, and starts the new ones.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import yaml
+
+
+def main(config_path: str, redis_url: str, overrides_json: str) -> int:
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.settings import load_settings
+    from replicas.model_info import describe_model
+    from tests.helm.chart import merge
+
+    with open(config_path) as f:
+        base = yaml.safe_load(f) or {}
+    settings = load_settings(**merge(base, json.loads(overrides_json)))
+    ray.init(address="auto", namespace="fairserve", log_to_driver=False)
+    app = build_app(settings, describe_model(settings.engine), redis_url)
+    serve.run(app, name=settings.app_name, route_prefix="/")
+    print("redeployed", flush=True)
+    ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:4]))

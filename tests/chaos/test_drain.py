@@ -1,0 +1,63 @@
+"""A redeploy under 16 streams (a changed engine setting, so every replica is replaced, and at
+the same time a scale from 2 replicas to 1): no client sees it. Serve stops the old replicas
+once their graceful shutdown timeout is over; what they still ran moves to the new ones from
+the tokens already sent (router/relay.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.chaos.factories import (
+    REPLICA_TITLE,
+    StreamResult,
+    pids_titled,
+    start,
+    stream_chat,
+    wait_for_tokens,
+)
+from tests.chaos.test_migration import MAX_TOKENS, NUM_STREAMS, bodies, references, settings
+from tests.helm.chart import REPO
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.e2e]
+
+CHANGE = {"replicas": {"num_replicas": 1}, "engine": {"max_queue_wait_s": 45.0}}
+
+
+async def redeploy_under_load(base: str, key: str, config: str, redis_url: str
+                              ) -> list[StreamResult]:
+    results = [StreamResult() for _ in range(NUM_STREAMS)]
+    async with httpx.AsyncClient(timeout=600) as client:
+        tasks = [asyncio.create_task(stream_chat(client, base, key, body, result))
+                 for body, result in zip(bodies(), results, strict=True)]
+        await wait_for_tokens(results, min_chars=8, timeout_s=120)
+        done = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "tests.chaos.redeploy", config, redis_url,
+                             json.dumps(CHANGE)], cwd=REPO, capture_output=True, text=True,
+            timeout=300)
+        assert done.returncode == 0 and "redeployed" in done.stdout, done.stdout + done.stderr
+        await asyncio.gather(*tasks)
+    return results
+
+
+def test_a_redeploy_and_a_scale_down_under_16_streams_cut_no_stream(tmp_path) -> None:
+    up, base, key, redis_url = start(tmp_path, settings(2))
+    try:
+        expected = asyncio.run(references(base, key))
+        before = set(pids_titled(REPLICA_TITLE))
+        results = asyncio.run(redeploy_under_load(base, key, str(tmp_path / "fairserve.yaml"),
+                                                  redis_url))
+        after = set(pids_titled(REPLICA_TITLE))
+        assert len(after) == 1 and not (after & before)  # every old replica was replaced
+        for i, (result, text) in enumerate(zip(results, expected, strict=True)):
+            assert result.status == 200 and not result.errors, (i, result.errors)
+            assert result.num_done == 1 and result.finish_reasons == ["length"], (i, result)
+            assert result.text == text, (i, result.text, text)
+            assert result.usage["completion_tokens"] == MAX_TOKENS, (i, result.usage)
+    finally:
+        up.stop()

@@ -1,0 +1,83 @@
+"""A frozen replica (SIGSTOP) under 16 streams: the relays see no chunk and no heartbeat, move
+every request it held to the other replica, and no client notices; then SIGCONT, and nothing
+is written twice. A slow but healthy engine (a long prefill gives no chunk for seconds) is left
+alone: no migration."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.chaos.factories import (
+    MODEL,
+    REPLICA_TITLE,
+    StreamResult,
+    kill,
+    pids_titled,
+    start,
+    stream_chat,
+    wait_for_tokens,
+)
+from tests.chaos.test_migration import MAX_TOKENS, NUM_STREAMS, bodies, references, settings
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.e2e]
+
+STALL_TIMEOUT_S = 6.0  # above the longest step here (a 512-token prefill chunk, ~4 s on 1 thread)
+
+
+def hang_settings() -> dict:
+    base = settings(2)
+    base["router"]["dispatch"]["stall_timeout_s"] = STALL_TIMEOUT_S
+    return base
+
+
+def migrations(base: str) -> float:
+    text = httpx.get(base.removesuffix("/v1") + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("fairserve_migrations_total"))
+
+
+async def freeze_a_replica(base: str, key: str) -> list[StreamResult]:
+    results = [StreamResult() for _ in range(NUM_STREAMS)]
+    async with httpx.AsyncClient(timeout=600) as client:
+        tasks = [asyncio.create_task(stream_chat(client, base, key, body, result))
+                 for body, result in zip(bodies(), results, strict=True)]
+        await wait_for_tokens(results, min_chars=8, timeout_s=120)
+        (victim, *_) = pids_titled(REPLICA_TITLE)
+        kill(victim, signal.SIGSTOP)
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            kill(victim, signal.SIGCONT)
+    return results
+
+
+def test_sigstop_of_a_replica_moves_its_streams_and_a_long_prefill_does_not(tmp_path) -> None:
+    up, base, key, _ = start(tmp_path, hang_settings())
+    try:
+        # slow but healthy: a prompt of ~1,800 tokens prefills in 512-token steps of ~4 s: no
+        # chunk for ~16 s, far past the stall timeout, but the engine keeps stepping
+        long = {"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": [
+            {"role": "user", "content": "Summarise: " + "the quick brown fox jumps. " * 300}]}
+        started = time.monotonic()
+        reply = httpx.post(f"{base}/chat/completions", json=long, timeout=300,
+                           headers={"Authorization": f"Bearer {key}"})
+        assert reply.status_code == 200, reply.text
+        assert time.monotonic() - started > 1.5 * STALL_TIMEOUT_S  # the silence was long
+        assert reply.json()["usage"]["prompt_tokens"] > 1500
+        assert migrations(base) == 0
+
+        expected = asyncio.run(references(base, key))
+        results = asyncio.run(freeze_a_replica(base, key))
+        for i, (result, text) in enumerate(zip(results, expected, strict=True)):
+            assert result.status == 200 and not result.errors, (i, result.errors)
+            assert result.num_done == 1 and result.finish_reasons == ["length"], (i, result)
+            assert result.text == text, (i, result.text, text)
+            assert result.usage["completion_tokens"] == MAX_TOKENS, (i, result.usage)
+        assert migrations(base) >= 1
+    finally:
+        up.stop()
