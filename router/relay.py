@@ -29,12 +29,13 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import redis.asyncio as aioredis
 from opentelemetry.trace import Span, Status, StatusCode
+from redis.exceptions import RedisError
 
 from router import keys, response_events
 from router.capacity import ReplicaLoad
@@ -47,8 +48,11 @@ from router.streams import AppendBatcher, Event, ResponseStreams
 from router.tracing import Tracing, carrier
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ACCEPT_TIMEOUT_S = 180.0  # no replica took the call (all dead, one restarting): then migrate
+REDIS_OUTAGE_S = 30.0  # a write to Redis is retried this long (a restart) before giving up
+REDIS_RETRY_S = 0.5
 MIGRATION_BACKOFF_S = (0.2, 0.5, 1.0, 2.0)
 
 
@@ -117,6 +121,9 @@ class Relay:
         if grant.lease.attempt > 1:  # taken over: the client may have tokens already
             events = [e async for e in _all_events(self.streams, grant)]
             running.progress = Progress.from_events(events, num_choices)
+            if running.progress.is_finished:  # all sent; only the end was not written
+                await self._complete(running)
+                return
         while True:
             reason = await self._attempt(running, body)
             if reason is None or not await self._may_migrate(running, reason):
@@ -265,8 +272,9 @@ class Relay:
         reached = running.progress.add(chunk, ids)
         position = reached if ids else 0  # a chunk without tokens is not fenced
         data = response_events.chunk_data(wire["text"], ids, position, logprobs, index, finish)
-        status = await self.appends.append(running.grant.lease,
-                                           [Event(response_events.CHUNK, data, index, position)])
+        event = Event(response_events.CHUNK, data, index, position)
+        status = await _riding_out_redis(
+            lambda: self.appends.append(running.grant.lease, [event]))
         if status.is_cancel_requested:
             running.is_cancel_requested = True
         if finish is None:
@@ -291,8 +299,8 @@ class Relay:
         final = response_events.end_data(reasons[0], prompt, completion, cached, timings,
                                          reasons if progress.num_choices > 1 else None)
         outcome = RequestState.CANCELLED if reasons[0] == "abort" else RequestState.COMPLETED
-        await self.queues.complete(running.grant.lease, prompt, completion, reasons[0], final,
-                                   outcome)
+        await _riding_out_redis(lambda: self.queues.complete(
+            running.grant.lease, prompt, completion, reasons[0], final, outcome))
         if running.span is not None:
             running.span.set_attribute("fairserve.replica.id", running.replica_id or "")
             running.span.set_attribute("fairserve.migrations", running.migrations)
@@ -323,6 +331,21 @@ class _Watch:
 
     def seen(self, now: float) -> None:
         self.last_wire_s = now
+
+
+async def _riding_out_redis(write: Callable[[], Awaitable[T]]) -> T:
+    """``write()``, retried while Redis is unreachable (a restart, a failover) for up to
+    ``REDIS_OUTAGE_S``; the replica's chunks wait meanwhile (``_watched`` queues them), and
+    the positions make a retried append that did land harmless."""
+    deadline = time.monotonic() + REDIS_OUTAGE_S
+    while True:
+        try:
+            return await write()
+        except (RedisError, OSError) as exc:
+            if time.monotonic() > deadline:
+                raise
+            logger.warning("Redis unreachable (%s); retrying", exc)
+            await asyncio.sleep(REDIS_RETRY_S)
 
 
 async def _all_events(streams: ResponseStreams, grant: Grant) -> AsyncIterator[StreamEvent]:

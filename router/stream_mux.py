@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from router import keys
-from router.errors import NotFoundError
+from router.errors import NotFoundError, OverloadedError
 from router.messages import StreamEvent
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ READ_BATCH = 512
 UNBLOCK_RETRY_S = 0.001
 UNBLOCK_RETRIES = 20
 RECONNECT_S = 0.5
+REDIS_OUTAGE_S = 30.0  # a waiter rides out a Redis restart this long, then fails (503)
 
 
 def _id_key(event_id: str) -> tuple[int, int]:
@@ -83,6 +84,7 @@ class StreamMux:
         try:
             await self._wake_reader()
             idle_since = time.monotonic()
+            unreachable_since: float | None = None
             while True:
                 try:
                     item = await asyncio.wait_for(waiter.queue.get(), READ_BLOCK_MS / 1000)
@@ -90,7 +92,16 @@ class StreamMux:
                     if idle_timeout_s is not None and time.monotonic() - idle_since > idle_timeout_s:
                         raise TimeoutError(f"no event on {request_id!r} for {idle_timeout_s} s"
                                            ) from None
-                    if not await self.client.exists(request_key, stream_key):
+                    try:
+                        exists = await self.client.exists(request_key, stream_key)
+                    except (RedisError, OSError) as exc:  # a restart: wait for it, a while
+                        unreachable_since = unreachable_since or time.monotonic()
+                        if time.monotonic() - unreachable_since > REDIS_OUTAGE_S:
+                            raise OverloadedError(f"the queue store is unavailable: {exc}"
+                                                  ) from exc
+                        continue
+                    unreachable_since = None
+                    if not exists:
                         raise NotFoundError(f"request {request_id!r} expired",
                                             param="request_id") from None
                     continue

@@ -26,12 +26,14 @@ from tests.chaos.test_migration import MAX_TOKENS, NUM_STREAMS, bodies, referenc
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.e2e]
 
-STALL_TIMEOUT_S = 6.0  # above the longest step here (a 512-token prefill chunk, ~4 s on 1 thread)
+STALL_TIMEOUT_S = 6.0  # well above the longest step here (a 256-token prefill chunk, ~2 s)
+PREFILL_CHUNK = 256
 
 
 def hang_settings() -> dict:
     base = settings(2)
     base["router"]["dispatch"]["stall_timeout_s"] = STALL_TIMEOUT_S
+    base["engine"]["max_num_batched_tokens"] = PREFILL_CHUNK
     return base
 
 
@@ -59,16 +61,16 @@ async def freeze_a_replica(base: str, key: str) -> list[StreamResult]:
 def test_sigstop_of_a_replica_moves_its_streams_and_a_long_prefill_does_not(tmp_path) -> None:
     up, base, key, _ = start(tmp_path, hang_settings())
     try:
-        # slow but healthy: a prompt of ~1,800 tokens prefills in 512-token steps of ~4 s: no
-        # chunk for ~16 s, far past the stall timeout, but the engine keeps stepping
+        # slow but healthy: a prompt of ~4,200 tokens prefills in 17 steps of 256 tokens: no
+        # chunk for 15-40 s (by the machine), far past the stall timeout, but each step is short
         long = {"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": [
-            {"role": "user", "content": "Summarise: " + "the quick brown fox jumps. " * 300}]}
+            {"role": "user", "content": "Summarise: " + "the quick brown fox jumps. " * 700}]}
         started = time.monotonic()
         reply = httpx.post(f"{base}/chat/completions", json=long, timeout=300,
                            headers={"Authorization": f"Bearer {key}"})
         assert reply.status_code == 200, reply.text
         assert time.monotonic() - started > 1.5 * STALL_TIMEOUT_S  # the silence was long
-        assert reply.json()["usage"]["prompt_tokens"] > 1500
+        assert reply.json()["usage"]["prompt_tokens"] > 4000
         assert migrations(base) == 0
 
         expected = asyncio.run(references(base, key))
