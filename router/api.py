@@ -26,15 +26,18 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Header, Query, Request
+from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from router import keys
 from router.api_keys import Principal
 from router.errors import (
     InvalidRequestError,
@@ -46,16 +49,16 @@ from router.errors import (
 from router.metrics import UNKNOWN_TENANT
 from router.openai_models import (
     ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
     ErrorBody,
     ModelList,
 )
+from router.openapi import openapi_document
 from router.request_observer import RequestObserver
 from router.response_events import ChunkData, EndData
-from router.service import RouterService
+from router.service import EVENT_ID, IDEMPOTENCY_KEY_MAX_CHARS, RouterService
 from router.shaper import Shape, Shaper
 from router.streams import START
 from router.tracing import ServerSpans
@@ -76,14 +79,50 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+SSE: dict[str, Any] = {"text/event-stream": {}}  # its schema: openapi.py
 RESUME_DESCRIPTION: dict[str, Any] = {
     "description": "the completion once it ends, or with stream=true its SSE stream after "
-    "the given event (Last-Event-ID or starting_after; from the start without)"}
+    "the given event (Last-Event-ID or starting_after; from the start without)",
+    "content": SSE}
+
+# the request's headers and path, as the document states them
+EventId = Annotated[str | None, Header(pattern=EVENT_ID.pattern,
+                                       description="the last event id seen")]
+ResumeAfter = Annotated[str | None, Query(pattern=EVENT_ID.pattern,
+                                          description="the last event id seen")]
+RequestId = Annotated[str, Path(pattern=keys.REQUEST_ID_PATTERN.pattern,
+                                description="X-Fairserve-Request-Id of the request")]
+IdempotencyKey = Annotated[str | None, Header(
+    min_length=1, max_length=IDEMPOTENCY_KEY_MAX_CHARS,
+    description="a retry with the same key joins the request instead of running it twice")]
+RepeatEventId = Annotated[str | None, Header(
+    pattern=EVENT_ID.pattern, description="with a repeated Idempotency-Key: resume the "
+    "stream after this event id")]
+
+
+_bearer = HTTPBearer(auto_error=False, scheme_name="bearer",
+                     description="an API key of a tenant (fs-...)")
+
+
+async def _authorization(
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str | None:
+    """The Authorization header of a bearer key; None without one (then 401, OpenAI's body)."""
+    return None if credentials is None else f"Bearer {credentials.credentials}"
+
+
+ApiKey = Annotated[str | None, Depends(_authorization)]
 
 
 def build_api(service: RouterService) -> FastAPI:
     app = FastAPI(title="fairserve", version="0.1.0",
                   description="OpenAI-compatible API of a multi-tenant LLM serving cluster")
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_document(app, service.deployment_limits())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     app.add_middleware(BodyLimit, max_bytes=service.api.max_body_bytes)
     app.add_middleware(ServerSpans, tracing=service.tracing)  # outermost: sees every response
     _add_error_handlers(app, service)
@@ -103,8 +142,8 @@ def build_api(service: RouterService) -> FastAPI:
     async def metrics() -> Response:
         return Response(await service.metrics_exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", response_model=ModelList)
-    async def models(authorization: str | None = Header(None)) -> dict[str, Any]:
+    @app.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]})
+    async def models(authorization: ApiKey) -> dict[str, Any]:
         await service.authenticate(authorization)
         return {"object": "list", "data": [{
             "id": service.model.served_model_name, "object": "model",
@@ -112,14 +151,12 @@ def build_api(service: RouterService) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses={
         **ERROR_RESPONSES, 200: {"description": "a completion, or with stream=true an SSE "
-                                 "stream of chat.completion.chunk objects", "content": {
-                                     "text/event-stream": {"schema": ChatCompletionChunk.model_json_schema()}}}})
+                                 "stream of chat.completion.chunk objects", "content": SSE}})
     async def chat_completions(
         body: ChatCompletionRequest,
-        authorization: str | None = Header(None),
-        idempotency_key: str | None = Header(None),
-        last_event_id: str | None = Header(None, description="with a repeated Idempotency-Key: "
-                                           "resume the stream after this event id"),
+        authorization: ApiKey,
+        idempotency_key: IdempotencyKey = None,
+        last_event_id: RepeatEventId = None,
     ) -> Any:
         return await _respond(service, body, authorization, idempotency_key, last_event_id)
 
@@ -127,10 +164,8 @@ def build_api(service: RouterService) -> FastAPI:
              summary="a chat completion by id: resume its stream, or wait for it",
              responses={**ERROR_RESPONSES, 200: RESUME_DESCRIPTION})
     async def chat_completion(
-        request_id: str, stream: bool = False,
-        starting_after: str | None = Query(None, description="the last event id seen"),
-        authorization: str | None = Header(None),
-        last_event_id: str | None = Header(None, description="the last event id seen"),
+        request_id: RequestId, authorization: ApiKey, stream: bool = False,
+        starting_after: ResumeAfter = None, last_event_id: EventId = None,
     ) -> Any:
         param = "starting_after" if starting_after else "Last-Event-ID"
         return await _resume(service, True, request_id, stream, starting_after or last_event_id,
@@ -138,13 +173,12 @@ def build_api(service: RouterService) -> FastAPI:
 
     @app.post("/v1/completions", response_model=Completion, responses={
         **ERROR_RESPONSES, 200: {"description": "a completion, or with stream=true an SSE "
-                                 "stream of text_completion objects"}})
+                                 "stream of text_completion objects", "content": SSE}})
     async def completions(
         body: CompletionRequest,
-        authorization: str | None = Header(None),
-        idempotency_key: str | None = Header(None),
-        last_event_id: str | None = Header(None, description="with a repeated Idempotency-Key: "
-                                           "resume the stream after this event id"),
+        authorization: ApiKey,
+        idempotency_key: IdempotencyKey = None,
+        last_event_id: RepeatEventId = None,
     ) -> Any:
         return await _respond(service, body, authorization, idempotency_key, last_event_id)
 
@@ -152,10 +186,8 @@ def build_api(service: RouterService) -> FastAPI:
              summary="a completion by id: resume its stream, or wait for it",
              responses={**ERROR_RESPONSES, 200: RESUME_DESCRIPTION})
     async def completion(
-        request_id: str, stream: bool = False,
-        starting_after: str | None = Query(None, description="the last event id seen"),
-        authorization: str | None = Header(None),
-        last_event_id: str | None = Header(None, description="the last event id seen"),
+        request_id: RequestId, authorization: ApiKey, stream: bool = False,
+        starting_after: ResumeAfter = None, last_event_id: EventId = None,
     ) -> Any:
         param = "starting_after" if starting_after else "Last-Event-ID"
         return await _resume(service, False, request_id, stream, starting_after or last_event_id,
@@ -256,6 +288,9 @@ async def _sse(service: RouterService, tenant_id: str, shaper: Shaper,
     except RouterError as exc:
         is_ended = True
         yield _data(_error_body(exc))
+    except (RedisError, OSError) as exc:  # the queue store went away for good: say so
+        is_ended = True
+        yield _data(_error_body(OverloadedError(f"the queue store is unavailable: {exc}")))
     finally:
         if not is_ended:  # disconnect (or cancellation of this handler)
             observer.cancelled()
@@ -316,8 +351,23 @@ def _add_error_handlers(app: FastAPI, service: RouterService) -> None:
         logger.error("Redis unavailable: %s", exc)
         return error_response(OverloadedError(f"the queue store is unavailable: {exc}"))
 
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        # Starlette's and FastAPI's own: no route (404), wrong method (405), a body that
+        # cannot be read (400: not UTF-8, ...): OpenAI's error body all the same
+        error = RouterError(str(exc.detail), code=_HTTP_CODES.get(exc.status_code))
+        error.status = exc.status_code
+        error.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(_error_body(error), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # who asks comes first: without a valid key, 401 whatever else is wrong (as OpenAI)
+        try:
+            await service.authenticate(request.headers.get("authorization"))
+        except RouterError as refused:
+            return error_response(refused)
         message, param = describe_validation_error(exc.errors())
         service.metrics.inc("fairserve_requests", (UNKNOWN_TENANT, "refused", "invalid_request_error"))
         return JSONResponse(_error_body(InvalidRequestError(message, param)), status_code=400)
@@ -327,6 +377,8 @@ def describe_validation_error(errors: Any) -> tuple[str, str | None]:
     """OpenAI-style message and ``param`` for the first pydantic error of a request."""
     first = list(errors)[0]
     where = [p for p in first.get("loc", ()) if p != "body"]
+    if where and where[0] in ("header", "query", "path"):  # the name as the client sent it
+        where = [_PARAMETER_NAMES.get(str(where[1]), where[1])] if len(where) > 1 else []
     # a union reports the branch it tried (str, list[int]); it is not part of the field path
     where = [p for p in where if not (isinstance(p, str) and ("[" in p or p in _TYPE_NAMES))]
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in where).lstrip(".") or None
@@ -343,11 +395,15 @@ def describe_validation_error(errors: Any) -> tuple[str, str | None]:
     return f"{param}: {message}" if param else message, param
 
 
+_PARAMETER_NAMES = {"last-event-id": "Last-Event-ID", "idempotency-key": "Idempotency-Key"}
+_HTTP_CODES = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "TextPart"}
 
 
 class BodyLimit:
-    """Refuses bodies over ``max_bytes`` with 413, by Content-Length or as they stream in."""
+    """Refuses bodies over ``max_bytes`` with 413: by Content-Length, or, for a body sent
+    without one (chunked), as it comes in. The body is read whole before the app runs (it
+    is at most ``max_bytes``), so no parser sees a cut one."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -361,20 +417,27 @@ class BodyLimit:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await self._refuse(send)
             return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
+        body = bytearray()
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise _BodyTooLarge
-            return message
+            if message["type"] == "http.disconnect":
+                return  # the client left before it finished sending
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                await self._refuse(send)
+                return
+            if not message.get("more_body", False):
+                break
+        is_replayed = False
 
-        try:
-            await self.app(scope, limited, send)
-        except _BodyTooLarge:
-            await self._refuse(send)
+        async def replay() -> Message:
+            nonlocal is_replayed
+            if is_replayed:
+                return await receive()  # after the body: the disconnect, when it comes
+            is_replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
 
     async def _refuse(self, send: Send) -> None:
         body = json.dumps({"error": {
@@ -384,7 +447,3 @@ class BodyLimit:
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
-
-
-class _BodyTooLarge(Exception):
-    pass

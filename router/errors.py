@@ -3,20 +3,33 @@ the HTTP layer); ``status`` and ``code`` here say which."""
 
 from __future__ import annotations
 
+# 400 codes of the rules the OpenAPI document cannot state: they depend on the prompt's tokens,
+# on the tenant, on the grammar compiler, or compare two fields
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's own code
+MIN_TOKENS_OVER_MAX_TOKENS = "min_tokens_over_max_tokens"
+MAX_TOKENS_OVER_TENANT_CAP = "max_tokens_over_tenant_cap"
+UNSUPPORTED_SCHEMA = "unsupported_schema"
+PAST_THE_STREAM = "event_id_past_the_stream"  # a resume position after the stream's last event
+UNSTATED_RULES = frozenset({CONTEXT_LENGTH_EXCEEDED, MIN_TOKENS_OVER_MAX_TOKENS,
+                            MAX_TOKENS_OVER_TENANT_CAP, UNSUPPORTED_SCHEMA, PAST_THE_STREAM})
+
 
 class RouterError(Exception):
     status = 500
     type = "server_error"
     code: str | None = None
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        if code is not None:
+            self.code = code
 
 
 class InvalidRequestError(RouterError):
-    """Bad input, naming the offending field in ``param``."""
+    """Bad input, naming the offending field in ``param``. ``code`` names the rules the
+    OpenAPI document cannot state (they depend on the prompt's tokens or compare fields)."""
 
     status = 400
     type = "invalid_request_error"

@@ -14,9 +14,11 @@ sent; the SSE chunk models document the ``text/event-stream`` bodies.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from replicas.engine.sampling_params import MAX_REPETITION_PENALTY
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
@@ -25,6 +27,33 @@ MAX_N = 128  # OpenAI's bound; the deployment's own is router.api.max_n
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_STOP_TOKEN_IDS = 64
 SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOKEN_ID_KEY = r"^(0|[1-9][0-9]{0,9})$"  # a logit_bias key: a token id, no leading zeros
+
+# the cross-field rules, as JSON Schema too, so the OpenAPI document states them
+STREAM_OPTIONS_NEED_STREAM = {
+    "if": {"properties": {"stream_options": {"type": "object"}}, "required": ["stream_options"]},
+    "then": {"properties": {"stream": {"const": True}}, "required": ["stream"]}}
+TOP_LOGPROBS_NEED_LOGPROBS = {
+    "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+           "required": ["top_logprobs"]},
+    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}}
+ONE_OF_THE_MAX_TOKENS = {
+    "not": {"properties": {"max_tokens": {"type": "integer"},
+                           "max_completion_tokens": {"type": "integer"}},
+            "required": ["max_tokens", "max_completion_tokens"]}}
+
+
+def _state_rules(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """Adds ``model``'s cross-field rules to its JSON Schema, and says that ``logit_bias`` keys
+    are token ids (pydantic writes key patterns as ``patternProperties``, which would let
+    other keys through)."""
+    schema["allOf"] = list(getattr(model, "schema_rules", ()))
+    bias = schema.get("properties", {}).get("logit_bias", {})
+    for branch in bias.get("anyOf", []):
+        if branch.get("type") == "object":
+            (values,) = branch.pop("patternProperties").values()
+            branch["propertyNames"] = {"pattern": TOKEN_ID_KEY}
+            branch["additionalProperties"] = values
 
 
 class _Request(BaseModel):
@@ -64,19 +93,13 @@ class JsonObjectFormat(_Request):
 class JsonSchemaSpec(_Request):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    name: str = Field(description="a-z, A-Z, 0-9, _ and -, at most 64 characters")
+    name: str = Field(pattern=SCHEMA_NAME.pattern,
+                      description="a-z, A-Z, 0-9, _ and -, at most 64 characters")
     description: str | None = None
     json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema",
                                         description="the JSON Schema the output must match")
     strict: bool | None = Field(None, description="accepted; the output always matches")
 
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        if not SCHEMA_NAME.match(value):
-            raise ValueError("response_format: json_schema.name must be 1-64 characters of "
-                             "a-z, A-Z, 0-9, _ and -")
-        return value
 
 
 class JsonSchemaFormat(_Request):
@@ -91,18 +114,24 @@ ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat,
 class _Sampling(_Request):
     """Fields shared by both endpoints."""
 
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_state_rules)
+    schema_rules: ClassVar[tuple[dict[str, Any], ...]] = (STREAM_OPTIONS_NEED_STREAM,)
+
     model: str = Field(min_length=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: int | None = Field(None, description="any integer, taken modulo 2**64")
+    stop: Annotated[str, Field(min_length=1)] | Annotated[
+        list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = None
     n: int = Field(1, ge=1, le=MAX_N, description="choices; at most router.api.max_n")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+    logit_bias: Annotated[
+        dict[Annotated[str, Field(pattern=TOKEN_ID_KEY)], Annotated[float, Field(ge=-100.0, le=100.0)]],
+        Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = Field(
         None, description="token id (as a string) -> bias added to its logit, -100..100; "
         f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
     response_format: ResponseFormat | None = None
@@ -113,7 +142,7 @@ class _Sampling(_Request):
                               "-1 or 0: all")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM: drop tokens under min_p times "
                          "the most likely token's probability")
-    repetition_penalty: float = Field(1.0, gt=0.0, description="vLLM: > 1 discourages tokens "
+    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY, description="vLLM: > 1 discourages tokens "
                                       "already in the prompt or the output")
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]],
                               Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
@@ -124,24 +153,13 @@ class _Sampling(_Request):
         True, description="vLLM: accepted; applies to slow tokenizers only (every model "
         "fairserve loads has a fast one, whose decoder decides the spacing)")
 
-    @field_validator("logit_bias")
+    @field_validator("seed")
     @classmethod
-    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value is None:
-            return None
-        if len(value) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
-                             f"got {len(value)}")
-        for key in value:
-            if not key.isdigit():
-                raise ValueError(f"logit_bias: keys must be token ids, got {key!r}")
-        return value
+    def _fold_seed(cls, value: int | None) -> int | None:
+        return None if value is None else value % 2**64
 
     @model_validator(mode="after")
     def _check_shared(self) -> _Sampling:
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if any(s == "" for s in stops):
-            raise ValueError("stop: stop strings must not be empty")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         return self
@@ -164,6 +182,8 @@ class _Sampling(_Request):
 
 
 class ChatCompletionRequest(_Sampling):
+    schema_rules = (STREAM_OPTIONS_NEED_STREAM, TOP_LOGPROBS_NEED_LOGPROBS, ONE_OF_THE_MAX_TOKENS)
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; still honoured")
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -174,9 +194,8 @@ class ChatCompletionRequest(_Sampling):
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
-        if (self.max_tokens is not None and self.max_completion_tokens is not None
-                and self.max_tokens != self.max_completion_tokens):
-            raise ValueError("max_completion_tokens: differs from max_tokens; send one of them")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("max_completion_tokens: max_tokens is set too; send one of them")
         return self
 
     @property
@@ -185,8 +204,8 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | Annotated[list[int], Field(min_length=1)] | Annotated[
-        list[str], Field(min_length=1, max_length=1)]
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] | \
+        Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
     max_tokens: int | None = Field(16, ge=1, description="OpenAI's default is 16")
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
@@ -265,6 +284,17 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
+
+
+class CompletionChunk(BaseModel):
+    """One ``data:`` line of a streamed completion (then ``data: [DONE]``)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
 
 
 class ChatDelta(BaseModel):

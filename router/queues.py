@@ -43,6 +43,7 @@ from typing import Any, cast
 from router import keys
 from router.config import QueueSettings
 from router.errors import (
+    MAX_TOKENS_OVER_TENANT_CAP,
     IdempotencyKeyReusedError,
     InvalidRequestError,
     LeaseLostError,
@@ -292,7 +293,7 @@ def _admission(request: AdmitRequest, reply: list[Any]) -> Admission:
         if reason == "max_tokens":
             raise InvalidRequestError(
                 f"max_tokens {request.max_tokens} exceeds this tenant's cap of {limit}",
-                param="max_tokens",
+                param="max_tokens", code=MAX_TOKENS_OVER_TENANT_CAP,
             )
         raise RequestTooLargeError(
             f"prompt + max_tokens = {request.prompt_tokens + request.max_tokens} tokens exceeds "

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from replicas.grammar import GrammarError, check_grammar
-from router.errors import InvalidRequestError
+from router.errors import UNSUPPORTED_SCHEMA, InvalidRequestError
 from router.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,7 +42,7 @@ def check_sampling(request: Request, vocab_size: int, max_n: int) -> None:
             check_grammar(spec["kind"], spec["schema"])
         except GrammarError as exc:
             raise InvalidRequestError(f"response_format: the schema cannot be compiled: {exc}",
-                                      param="response_format") from None
+                                      param="response_format", code=UNSUPPORTED_SCHEMA) from None
 
 
 def structured_output(request: Request) -> dict[str, str] | None:

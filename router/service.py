@@ -27,7 +27,13 @@ from router import keys, response_events
 from router.api_keys import ApiKeys, Principal
 from router.config import ApiSettings, QueueSettings
 from router.dispatcher import Dispatcher, DispatchSettings
-from router.errors import InvalidRequestError, NotFoundError
+from router.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    MIN_TOKENS_OVER_MAX_TOKENS,
+    PAST_THE_STREAM,
+    InvalidRequestError,
+    NotFoundError,
+)
 from router.messages import AdmitRequest, CancelOutcome, RequestState
 from router.metrics import (
     SNAPSHOT_S,
@@ -38,6 +44,7 @@ from router.metrics import (
     exposition,
 )
 from router.openai_models import ChatCompletionRequest, CompletionRequest
+from router.openapi import EVENT_ID_PATTERN, DeploymentLimits
 from router.prompt_tokenizer import ModelInfo, PromptTokenizer
 from router.queues import TenantQueues
 from router.relay import ReplicaPool
@@ -51,7 +58,7 @@ from router.tracing import OFF, Tracing, carrier, decode_meta, encode_meta, now_
 logger = logging.getLogger(__name__)
 
 IDEMPOTENCY_KEY_MAX_CHARS = 255
-EVENT_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
+EVENT_ID = re.compile(EVENT_ID_PATTERN)
 
 
 def _id_order(event_id: str) -> tuple[int, int]:
@@ -118,6 +125,16 @@ class RouterService:
 
     # ---- the request path ----
 
+    def deployment_limits(self) -> DeploymentLimits:
+        """What the OpenAPI document states of this deployment."""
+        return DeploymentLimits(self.model.served_model_name, self.api.max_n,
+                                self.tokenizer.vocab_size, self.context_tokens)
+
+    @property
+    def context_tokens(self) -> int:
+        """Longest prompt + output a request may have."""
+        return min(self.model.max_model_len, self.model.kv_capacity_tokens)
+
     async def authenticate(self, authorization: str | None) -> Principal:
         scheme, _, credential = (authorization or "").partition(" ")
         api_key = credential.strip() if scheme.lower() == "bearer" else None
@@ -167,11 +184,11 @@ class RouterService:
 
     async def _max_tokens(self, tenant_id: str, request: ChatCompletionRequest | CompletionRequest,
                           num_prompt: int, prompt_param: str) -> int:
-        context = min(self.model.max_model_len, self.model.kv_capacity_tokens)
+        context = self.context_tokens
         if num_prompt >= context:
             raise InvalidRequestError(
                 f"this model's maximum context length is {context} tokens; the prompt has "
-                f"{num_prompt}", param=prompt_param)
+                f"{num_prompt}", param=prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
         requested = request.requested_max_tokens
         if requested is None:  # chat: as long as the context and the tenant's cap allow
             cap = await self.client.hget(keys.tenant(tenant_id), "max_tokens")
@@ -179,11 +196,12 @@ class RouterService:
         elif num_prompt + requested > context:
             raise InvalidRequestError(
                 f"this model's maximum context length is {context} tokens; the prompt has "
-                f"{num_prompt} and max_tokens is {requested}", param="max_tokens")
+                f"{num_prompt} and max_tokens is {requested}", param="max_tokens",
+                code=CONTEXT_LENGTH_EXCEEDED)
         if request.min_tokens > requested:
             raise InvalidRequestError(
                 f"min_tokens ({request.min_tokens}) must not exceed max_tokens ({requested})",
-                param="min_tokens")
+                param="min_tokens", code=MIN_TOKENS_OVER_MAX_TOKENS)
         return requested
 
     async def events(self, tenant_id: str, request_id: str, after: str = START
@@ -214,7 +232,7 @@ class RouterService:
         newest = last[0][0].decode() if last else START
         if _id_order(event_id) > _id_order(newest):
             raise InvalidRequestError(f"{param}: {event_id!r} is past the stream's last event "
-                                      f"{newest!r}", param=param)
+                                      f"{newest!r}", param=param, code=PAST_THE_STREAM)
         return event_id
 
     async def attach(self, tenant_id: str, request_id: str) -> None:

@@ -17,14 +17,14 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from router import keys
 from router.errors import NotFoundError, OverloadedError
-from router.messages import StreamEvent
+from router.messages import RequestState, StreamEvent
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +77,9 @@ class StreamMux:
         ``ResponseStreams.read``, but sharing one connection with every other reader)."""
         stream_key = keys.stream(tenant_id, request_id)
         request_key = keys.request(tenant_id, request_id)
-        if not await self.client.exists(request_key, stream_key):
-            raise NotFoundError(f"no request {request_id!r}", param="request_id")
+        if await self._is_gone(request_key, stream_key):
+            raise NotFoundError(f"no request {request_id!r}, or its stream has expired",
+                                param="request_id")
         waiter = _Waiter(after)
         self._waiters.setdefault(stream_key, []).append(waiter)
         try:
@@ -93,7 +94,7 @@ class StreamMux:
                         raise TimeoutError(f"no event on {request_id!r} for {idle_timeout_s} s"
                                            ) from None
                     try:
-                        exists = await self.client.exists(request_key, stream_key)
+                        is_gone = await self._is_gone(request_key, stream_key)
                     except (RedisError, OSError) as exc:  # a restart: wait for it, a while
                         unreachable_since = unreachable_since or time.monotonic()
                         if time.monotonic() - unreachable_since > REDIS_OUTAGE_S:
@@ -101,7 +102,7 @@ class StreamMux:
                                                   ) from exc
                         continue
                     unreachable_since = None
-                    if not exists:
+                    if is_gone:
                         raise NotFoundError(f"request {request_id!r} expired",
                                             param="request_id") from None
                     continue
@@ -115,6 +116,14 @@ class StreamMux:
                 waiters.remove(waiter)
             if not waiters:
                 self._waiters.pop(stream_key, None)
+
+    async def _is_gone(self, request_key: str, stream_key: str) -> bool:
+        """No stream, and none to come: the request is unknown, or it ended and its stream
+        expired (``keys.STREAM_ENDED_TTL_S``; the request's record outlives it)."""
+        if await self.client.exists(stream_key):
+            return False
+        state = cast(bytes | None, await self.client.hget(request_key, "state"))
+        return state is None or RequestState(state.decode()).is_terminal
 
     async def _wake_reader(self) -> None:
         """Make sure the next XREAD includes the waiter just added."""

@@ -17,6 +17,7 @@ MAX_TEMPERATURE = 2.0
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
 MAX_LOGIT_BIAS = 100.0
 MAX_PRESENCE_FREQUENCY_PENALTY = 2.0
+MAX_REPETITION_PENALTY = 1e9
 MAX_N = 128  # OpenAI's limit; a deployment sets its own below it (router.api.max_n)
 
 
@@ -108,9 +109,11 @@ class SamplingParams:
     def _check_processing(self) -> None:
         _check_float("min_p", self.min_p, 0.0, 1.0, low_open=False)
         if isinstance(self.repetition_penalty, bool) or not isinstance(
-                self.repetition_penalty, (int, float)) or not 0.0 < self.repetition_penalty <= 1e9:
+                self.repetition_penalty, (int, float)) or not (
+                    0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
             raise InvalidRequestError(
-                f"repetition_penalty must be greater than 0, got {self.repetition_penalty!r}",
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got "
+                f"{self.repetition_penalty!r}",
                 "repetition_penalty")
         limit = MAX_PRESENCE_FREQUENCY_PENALTY
         _check_float("presence_penalty", self.presence_penalty, -limit, limit, low_open=False)

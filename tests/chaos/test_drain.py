@@ -1,12 +1,15 @@
 """A redeploy under 16 streams (a changed engine setting, so every replica is replaced, and at
 the same time a scale from 2 replicas to 1): no client sees it. Serve stops the old replicas
 once their graceful shutdown timeout is over; what they still ran moves to the new ones from
-the tokens already sent (router/relay.py)."""
+the tokens already sent (router/relay.py). Then SIGTERM of the one replica left (what
+Kubernetes sends a pod it evicts) under 16 streams: they move to the replica Serve starts in
+its place, and no client sees that either."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 
@@ -16,6 +19,7 @@ import pytest
 from tests.chaos.factories import (
     REPLICA_TITLE,
     StreamResult,
+    kill,
     pids_titled,
     start,
     stream_chat,
@@ -45,7 +49,27 @@ async def redeploy_under_load(base: str, key: str, config: str, redis_url: str
     return results
 
 
-def test_a_redeploy_and_a_scale_down_under_16_streams_cut_no_stream(tmp_path) -> None:
+async def sigterm_under_load(base: str, key: str) -> list[StreamResult]:
+    results = [StreamResult() for _ in range(NUM_STREAMS)]
+    async with httpx.AsyncClient(timeout=600) as client:
+        tasks = [asyncio.create_task(stream_chat(client, base, key, body, result))
+                 for body, result in zip(bodies(), results, strict=True)]
+        await wait_for_tokens(results, min_chars=8, timeout_s=120)
+        (replica,) = pids_titled(REPLICA_TITLE)
+        kill(replica, signal.SIGTERM)
+        await asyncio.gather(*tasks)
+    return results
+
+
+def check(results: list[StreamResult], expected: list[str]) -> None:
+    for i, (result, text) in enumerate(zip(results, expected, strict=True)):
+        assert result.status == 200 and not result.errors, (i, result.errors)
+        assert result.num_done == 1 and result.finish_reasons == ["length"], (i, result)
+        assert result.text == text, (i, result.text, text)
+        assert result.usage["completion_tokens"] == MAX_TOKENS, (i, result.usage)
+
+
+def test_a_redeploy_a_scale_down_and_a_sigterm_under_16_streams_cut_no_stream(tmp_path) -> None:
     up, base, key, redis_url = start(tmp_path, settings(2))
     try:
         expected = asyncio.run(references(base, key))
@@ -54,10 +78,9 @@ def test_a_redeploy_and_a_scale_down_under_16_streams_cut_no_stream(tmp_path) ->
                                                   redis_url))
         after = set(pids_titled(REPLICA_TITLE))
         assert len(after) == 1 and not (after & before)  # every old replica was replaced
-        for i, (result, text) in enumerate(zip(results, expected, strict=True)):
-            assert result.status == 200 and not result.errors, (i, result.errors)
-            assert result.num_done == 1 and result.finish_reasons == ["length"], (i, result)
-            assert result.text == text, (i, result.text, text)
-            assert result.usage["completion_tokens"] == MAX_TOKENS, (i, result.usage)
+        check(results, expected)
+
+        check(asyncio.run(sigterm_under_load(base, key)), expected)
+        assert pids_titled(REPLICA_TITLE) and set(pids_titled(REPLICA_TITLE)) != after
     finally:
         up.stop()
