@@ -80,23 +80,8 @@ async def stream_chat(client: httpx.AsyncClient, base: str, key: str, body: dict
         async for line in response.aiter_lines():
             if line.startswith("id:"):
                 result.event_ids.append(line[3:].strip())
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                result.num_done += 1
-                continue
-            event = json.loads(payload)
-            result.events.append(event)
-            if "error" in event:
-                result.errors.append(event["error"])
-                continue
-            if event.get("usage"):
-                result.usage = event["usage"]
-            for choice in event.get("choices", []):
-                result.text += choice.get("delta", {}).get("content") or ""
-                if choice.get("finish_reason"):
-                    result.finish_reasons.append(choice["finish_reason"])
+            if line.startswith("data:"):
+                _take(result, line[5:].strip())
 
 
 async def wait_for_tokens(results: list[StreamResult], min_chars: int, timeout_s: float) -> None:

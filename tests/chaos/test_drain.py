@@ -12,6 +12,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -61,6 +62,17 @@ async def sigterm_under_load(base: str, key: str) -> list[StreamResult]:
     return results
 
 
+def replicas_settled(before: set[int], timeout_s: float = 60.0) -> set[int]:
+    """The replica processes once the old ones have exited (Serve returns from a redeploy
+    when the new replicas run; the old ones may still be finishing their shutdown)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = set(pids_titled(REPLICA_TITLE))
+        if (len(now) == 1 and not (now & before)) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.5)
+
+
 def check(results: list[StreamResult], expected: list[str]) -> None:
     for i, (result, text) in enumerate(zip(results, expected, strict=True)):
         assert result.status == 200 and not result.errors, (i, result.errors)
@@ -76,7 +88,7 @@ def test_a_redeploy_a_scale_down_and_a_sigterm_under_16_streams_cut_no_stream(tm
         before = set(pids_titled(REPLICA_TITLE))
         results = asyncio.run(redeploy_under_load(base, key, str(tmp_path / "fairserve.yaml"),
                                                   redis_url))
-        after = set(pids_titled(REPLICA_TITLE))
+        after = replicas_settled(before)
         assert len(after) == 1 and not (after & before)  # every old replica was replaced
         check(results, expected)
 

