@@ -9,6 +9,7 @@ and a request over it is a 400 the document cannot state (``schemathesis_checks.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,4 +41,5 @@ def test_schemathesis_finds_nothing(e2e: E2ECluster, tmp_path: Path) -> None:
          "--report", "junit", "--report-dir", str(tmp_path)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=MAX_TIME_S + 300)
     assert run.returncode == 0, run.stdout[-12000:] + run.stderr[-3000:]
-    assert "No issues found" in run.stdout or " 0 failures" in run.stdout, run.stdout[-4000:]
+    counts = re.search(r"(\d+) generated, (\d+) passed", run.stdout)
+    assert counts and counts[1] == counts[2] and int(counts[1]) > 100, run.stdout[-4000:]
