@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.e2e]
 
 SLOTS = 4  # one replica taking 4 requests at once: the cluster's capacity
 MAX_QUEUED = 4  # below the 8 clients each tenant runs at 10x: some are refused
-PHASE_S = 15.0
+PHASE_S = 12.0
 QUIET = ("quiet-a", "quiet-b")
 ALLOWED = {200, 429, 503}
 

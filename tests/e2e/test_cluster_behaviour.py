@@ -67,7 +67,7 @@ def test_clients_that_hang_up_leave_nothing_behind(e2e: E2ECluster) -> None:
     key = e2e.add_tenant(Tenant(id="hangups", max_queued=1000))
     headers = {"Authorization": f"Bearer {key}"}
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
-            "max_tokens": 400, "stream": True, "extra_body": None}
+            "max_tokens": 400, "ignore_eos": True, "stream": True, "extra_body": None}
     body.pop("extra_body")
     seen_content = 0
 
