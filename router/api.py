@@ -368,6 +368,8 @@ def _add_error_handlers(app: FastAPI, service: RouterService) -> None:
             await service.authenticate(request.headers.get("authorization"))
         except RouterError as refused:
             return error_response(refused)
+        except (RedisError, OSError):  # keys unreadable now: the 400 is still the answer
+            logger.warning("Redis unavailable; answering the invalid request without its key")
         message, param = describe_validation_error(exc.errors())
         service.metrics.inc("fairserve_requests", (UNKNOWN_TENANT, "refused", "invalid_request_error"))
         return JSONResponse(_error_body(InvalidRequestError(message, param)), status_code=400)
