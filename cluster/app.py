@@ -20,7 +20,7 @@ from cluster.autoscaling import AutoscaleSettings, BacklogPolicy
 from cluster.settings import FairserveSettings
 from replicas.engine.local_path import absolute_path
 from replicas.server import EngineFactory, ModelReplica, ReplicaOptions
-from router.prompt_tokenizer import ModelInfo
+from router.api.prompt_tokenizer import ModelInfo
 from router.server import RouterServer
 
 REPLICA_DEPLOYMENT = "ModelReplica"

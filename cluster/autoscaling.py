@@ -169,7 +169,7 @@ class BacklogPolicy:
         if self._client is None:
             import redis
 
-            from router.redis_client import with_env_password
+            from router.state.redis_client import with_env_password
 
             url = with_env_password(self.redis_url)  # the password never travels through Ray
             self._client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
@@ -180,7 +180,7 @@ class BacklogPolicy:
             return self._backlog
         from redis.exceptions import RedisError
 
-        from router.scripts import Script, script_source
+        from router.state.scripts import Script, script_source
 
         self._read_at = now
         try:
@@ -193,7 +193,7 @@ class BacklogPolicy:
     def _publish(self, inputs: ScalingInputs, decision: ScalingDecision) -> None:
         from redis.exceptions import RedisError
 
-        from router import keys
+        from router.state import keys
 
         record = {**asdict(inputs), **{f"decision_{k}": v for k, v in asdict(decision).items()}}
         try:

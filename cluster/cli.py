@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.errors import ClusterStartError
 from cluster.tenants_cli import add_tenants_parser
-from router.redis_client import RedisNotReadyError
+from router.state.redis_client import RedisNotReadyError
 
 if TYPE_CHECKING:
     from cluster.settings import FairserveSettings

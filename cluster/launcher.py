@@ -28,11 +28,11 @@ from cluster.redis_server import EmbeddedRedis
 from cluster.settings import FairserveSettings
 from replicas.model_info import describe_model
 from replicas.server import EngineFactory
-from router.api_keys import ApiKeys
-from router.prompt_tokenizer import ModelInfo
-from router.redis_client import connect, wait_loaded
-from router.scripts import Scripts
-from router.tenants import Tenant, TenantStore, load_tenants, load_tenants_file
+from router.api.prompt_tokenizer import ModelInfo
+from router.state.api_keys import ApiKeys
+from router.state.redis_client import connect, wait_loaded
+from router.state.scripts import Scripts
+from router.state.tenants import Tenant, TenantStore, load_tenants, load_tenants_file
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import redis
 
 from cluster.errors import RedisServerError
-from router.redis_client import LOAD_REPORT_EVERY_S, LOAD_TIMEOUT_S, loading_progress
+from router.state.redis_client import LOAD_REPORT_EVERY_S, LOAD_TIMEOUT_S, loading_progress
 
 logger = logging.getLogger(__name__)
 

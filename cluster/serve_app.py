@@ -17,7 +17,7 @@ NOTE: the config is plaintext in the RayService and on the Ray dashboard, so no 
 it. Secrets come from the pods' environment (Kubernetes ``secretKeyRef``s):
 ``FAIRSERVE_REDIS__PASSWORD`` (put into ``redis.url``) or a whole ``FAIRSERVE_REDIS__URL`` when
 the chart leaves ``redis.url`` out. Tenants come from a mounted Secret named by
-``tenants.file``, holding hashed keys only (``router/tenants.py``), and are loaded on every
+``tenants.file``, holding hashed keys only (``router/state/tenants.py``), and are loaded on every
 deploy (idempotent).
 
 Ray Serve runs this builder as a task with no CPU (on the head, or any node), so what it reads
@@ -36,9 +36,9 @@ from ray.serve import Application
 from cluster.app import build_app
 from cluster.settings import FairserveSettings, load_settings
 from replicas.model_info import describe_model
-from router.redis_client import connect, wait_loaded
-from router.scripts import Scripts
-from router.tenants import load_tenants, load_tenants_file
+from router.state.redis_client import connect, wait_loaded
+from router.state.scripts import Scripts
+from router.state.tenants import load_tenants, load_tenants_file
 
 logger = logging.getLogger(__name__)
 

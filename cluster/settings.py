@@ -26,8 +26,8 @@ from cluster.redis_server import AppendFsync
 from replicas.engine.config import EngineConfig
 from replicas.engine.local_path import LocalPath, resolve_yaml_paths
 from router.config import ApiSettings, QueueSettings
-from router.dispatcher import DispatchSettings
-from router.redis_client import password_of, with_password
+from router.dispatch.dispatcher import DispatchSettings
+from router.state.redis_client import password_of, with_password
 
 DEFAULT_STATE_DIR = Path(".fairserve")  # cluster/cli.py spells it too (it must not import torch)
 _YAML_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("yaml", default=None)

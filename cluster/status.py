@@ -7,12 +7,12 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from router import keys
-from router.capacity import read_loads
-from router.metrics import autoscaler_state
-from router.redis_client import connect
-from router.scripts import Scripts
-from router.tenants import TenantStore
+from router.state import keys
+from router.state.capacity import read_loads
+from router.state.redis_client import connect
+from router.state.scripts import Scripts
+from router.state.tenants import TenantStore
+from router.telemetry.metrics import autoscaler_state
 
 
 def fetch_json(url: str) -> tuple[int, Any]:

@@ -1,7 +1,7 @@
 """The ``fairserve tenants`` subcommands: tenants and their API keys, in the Redis the routers share.
 
 ``add``, ``list``, ``set``, ``key-create``, ``key-revoke`` and ``load`` (a YAML file, see
-``router.tenants``) and ``key-new`` (a key made and printed here, stored nowhere). Every
+``router.state.tenants``) and ``key-new`` (a key made and printed here, stored nowhere). Every
 subcommand that talks to Redis takes ``--redis-url`` (default ``$FAIRSERVE_REDIS__URL``, else
 the Redis of the ``fairserve up`` running from this directory, else the embedded default
 ``redis://127.0.0.1:6390/0``); the password may come from the environment or a mounted file,
@@ -26,11 +26,11 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 import yaml
 
-from router.api_keys import ApiKeys, digest, new_key
 from router.errors import InvalidRequestError, RouterError
-from router.redis_client import connect, with_env_password
-from router.scripts import Scripts
-from router.tenants import Tenant, TenantStore, load_tenants, load_tenants_file, validated
+from router.state.api_keys import ApiKeys, digest, new_key
+from router.state.redis_client import connect, with_env_password
+from router.state.scripts import Scripts
+from router.state.tenants import Tenant, TenantStore, load_tenants, load_tenants_file, validated
 
 # the settings tree's variable first (what a Ray pod of the Helm chart has), then the older name
 REDIS_URL_ENVS = ("FAIRSERVE_REDIS__URL", "FAIRSERVE_REDIS_URL")

@@ -20,13 +20,13 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from router import keys
-from router.capacity import ReplicaLoad, read_loads
 from router.messages import TenantBacklog
-from router.metrics import SPECS, MetricsStore, autoscaler_state
-from router.queues import TenantQueues
-from router.redis_client import connect
-from router.scripts import Scripts
+from router.state import keys
+from router.state.capacity import ReplicaLoad, read_loads
+from router.state.queues import TenantQueues
+from router.state.redis_client import connect
+from router.state.scripts import Scripts
+from router.telemetry.metrics import SPECS, MetricsStore, autoscaler_state
 
 WINDOW_S = 30.0
 

@@ -1,8 +1,8 @@
 """A replica's load report: what it writes to Redis for dispatchers, autoscaling and ``top``.
 
 The replica knows nothing of tenants or queues; it only says how busy it is. The key names come
-from ``router/keys.py`` (the one module that spells Redis keys); the report's shape is
-``router.capacity.ReplicaLoad``.
+from ``router/state/keys.py`` (the one module that spells Redis keys); the report's shape is
+``router.state.capacity.ReplicaLoad``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from router import keys
-from router.capacity import ReplicaLoad
-from router.redis_client import connect, with_env_password
+from router.state import keys
+from router.state.capacity import ReplicaLoad
+from router.state.redis_client import connect, with_env_password
 
 logger = logging.getLogger(__name__)
 

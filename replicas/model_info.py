@@ -10,7 +10,7 @@ from replicas.engine.config import EngineConfig
 from replicas.engine.engine_core import TORCH_DTYPES
 from replicas.engine.loader import load_model_source
 from replicas.engine.model_runner import CacheShape
-from router.prompt_tokenizer import ModelInfo
+from router.api.prompt_tokenizer import ModelInfo
 
 
 def describe_model(config: EngineConfig) -> ModelInfo:

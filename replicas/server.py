@@ -26,8 +26,8 @@ from replicas.engine.interface import ChoiceResume, Chunk, Engine, GenerateReque
 from replicas.engine.sampling_params import GuideKind, SamplingParams, StructuredOutput
 from replicas.load_report import LoadReporter
 from replicas.tracing import record_engine_spans
-from router.capacity import ReplicaLoad
-from router.tracing import configure_tracing
+from router.state.capacity import ReplicaLoad
+from router.telemetry.tracing import configure_tracing
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The router as a Ray Serve ingress deployment, and the dispatcher's way to the replicas.
 
 ``RouterServer`` holds one ``RouterService`` (Redis client, dispatcher loop) and serves the
-FastAPI app of ``router/api.py``, built after the constructor (``__serve_build_asgi_app__``).
+FastAPI app of ``router/api/routes.py``, built after the constructor (``__serve_build_asgi_app__``).
 ``ServeReplicaPool`` calls the model deployment through a streaming handle and turns Ray's
 failures into the router's: a replica that died or cannot be reached is
 ``ReplicaUnavailableError`` (the dispatcher requeues), an exception raised by the replica's own
@@ -25,14 +25,14 @@ from ray.serve.exceptions import (
 )
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from router.api import build_api
+from router.api.prompt_tokenizer import ModelInfo
+from router.api.routes import build_api
 from router.config import ApiSettings, QueueSettings
-from router.dispatcher import DispatchSettings
+from router.dispatch.dispatcher import DispatchSettings
 from router.errors import ReplicaFailedError, ReplicaUnavailableError
-from router.prompt_tokenizer import ModelInfo
-from router.redis_client import connect, with_env_password
 from router.service import RouterOptions, RouterService
-from router.tracing import configure_tracing
+from router.state.redis_client import connect, with_env_password
+from router.telemetry.tracing import configure_tracing
 
 logger = logging.getLogger(__name__)
 

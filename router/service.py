@@ -2,7 +2,7 @@
 tenant, admit into the tenant's queue, and read the response stream back.
 
 One ``RouterService`` per router replica. It owns the Redis client and the dispatcher loop
-(``router/dispatcher.py``); the HTTP layer (``router/api.py``) turns its results and errors into
+(``router/dispatch/dispatcher.py``); the HTTP layer (``router/api/routes.py``) turns its results and errors into
 OpenAI responses. Admissions wake the local dispatcher directly and the others through the
 Redis wake channel.
 """
@@ -23,10 +23,17 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from router import keys, response_events
-from router.api_keys import ApiKeys, Principal
+from router.api.openai_models import ChatCompletionRequest, CompletionRequest
+from router.api.openapi import EVENT_ID_PATTERN, DeploymentLimits
+from router.api.prompt_tokenizer import ModelInfo, PromptTokenizer
+from router.api.sampling import check_sampling, sampling_wire
+from router.api.shaper import Shape
 from router.config import ApiSettings, QueueSettings
-from router.dispatcher import Dispatcher, DispatchSettings
+from router.dispatch import response_events
+from router.dispatch.dispatcher import Dispatcher, DispatchSettings
+from router.dispatch.relay import ReplicaPool
+from router.dispatch.stream_mux import StreamMux
+from router.dispatch.streams import START
 from router.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     MIN_TOKENS_OVER_MAX_TOKENS,
@@ -35,7 +42,11 @@ from router.errors import (
     NotFoundError,
 )
 from router.messages import AdmitRequest, CancelOutcome, RequestState
-from router.metrics import (
+from router.state import keys
+from router.state.api_keys import ApiKeys, Principal
+from router.state.queues import TenantQueues
+from router.state.scripts import Scripts
+from router.telemetry.metrics import (
     SNAPSHOT_S,
     SNAPSHOT_TTL_S,
     ClusterState,
@@ -43,17 +54,7 @@ from router.metrics import (
     autoscaler_state,
     exposition,
 )
-from router.openai_models import ChatCompletionRequest, CompletionRequest
-from router.openapi import EVENT_ID_PATTERN, DeploymentLimits
-from router.prompt_tokenizer import ModelInfo, PromptTokenizer
-from router.queues import TenantQueues
-from router.relay import ReplicaPool
-from router.sampling import check_sampling, sampling_wire
-from router.scripts import Scripts
-from router.shaper import Shape
-from router.stream_mux import StreamMux
-from router.streams import START
-from router.tracing import OFF, Tracing, carrier, decode_meta, encode_meta, now_ns
+from router.telemetry.tracing import OFF, Tracing, carrier, decode_meta, encode_meta, now_ns
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class Submission:
     max_tokens: int
     is_duplicate: bool
     queue_depth: int | None
-    shape: Shape  # what its responses look like (stored with it: router/shaper.py)
+    shape: Shape  # what its responses look like (stored with it: router/api/shaper.py)
 
 
 @dataclass(frozen=True, slots=True)

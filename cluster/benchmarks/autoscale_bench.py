@@ -41,10 +41,10 @@ from cluster.autoscaling import AutoscaleSettings
 from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.redis_server import free_port
 from cluster.settings import load_settings
-from router import keys
-from router.capacity import ReplicaLoad, read_loads
-from router.redis_client import connect
-from router.tenants import Tenant
+from router.state import keys
+from router.state.capacity import ReplicaLoad, read_loads
+from router.state.redis_client import connect
+from router.state.tenants import Tenant
 
 RAY_DEFAULT_UPSCALE_DELAY_S = 30.0
 POLL_S = 0.1

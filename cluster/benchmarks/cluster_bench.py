@@ -40,7 +40,7 @@ from replicas.engine.async_engine import TorchEngine
 from replicas.engine.bench import make_prompts, run_engine
 from replicas.engine.config import EngineConfig
 from replicas.engine.loader import load_model_source
-from router.tenants import Tenant
+from router.state.tenants import Tenant
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,12 +22,12 @@ from typing import cast
 import redis
 
 from cluster.redis_server import AppendFsync, EmbeddedRedis
-from router import keys
 from router.messages import AdmitRequest
-from router.queues import TenantQueues
-from router.redis_client import connect
-from router.scripts import Scripts
-from router.tenants import Tenant, TenantStore
+from router.state import keys
+from router.state.queues import TenantQueues
+from router.state.redis_client import connect
+from router.state.scripts import Scripts
+from router.state.tenants import Tenant, TenantStore
 
 TENANT_ID = "probe"
 

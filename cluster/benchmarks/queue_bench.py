@@ -32,10 +32,10 @@ import redis.asyncio as aioredis
 
 from cluster.redis_server import AppendFsync, EmbeddedRedis
 from router.messages import AdmitRequest
-from router.queues import TenantQueues
-from router.redis_client import connect
-from router.scripts import Scripts
-from router.tenants import Tenant, TenantStore
+from router.state.queues import TenantQueues
+from router.state.redis_client import connect
+from router.state.scripts import Scripts
+from router.state.tenants import Tenant, TenantStore
 
 NUM_TENANTS = 10
 

@@ -36,7 +36,7 @@ from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.settings import load_settings
 from replicas.engine.bench import make_prompts
 from replicas.engine.loader import load_model_source
-from router.tenants import Tenant
+from router.state.tenants import Tenant
 
 
 def unsampled() -> dict[str, str]:

@@ -1,7 +1,7 @@
 """A redeploy under 16 streams (a changed engine setting, so every replica is replaced, and at
 the same time a scale from 2 replicas to 1): no client sees it. Serve stops the old replicas
 once their graceful shutdown timeout is over; what they still ran moves to the new ones from
-the tokens already sent (router/relay.py). Then SIGTERM of the one replica left (what
+the tokens already sent (router/dispatch/relay.py). Then SIGTERM of the one replica left (what
 Kubernetes sends a pod it evicts) under 16 streams: they move to the replica Serve starts in
 its place, and no client sees that either."""
 

@@ -17,10 +17,10 @@ import httpx
 import pytest
 
 from cluster.launcher import add_tenant_with_key
-from router import keys
-from router.capacity import read_loads
-from router.redis_client import connect
-from router.tenants import Tenant
+from router.state import keys
+from router.state.capacity import read_loads
+from router.state.redis_client import connect
+from router.state.tenants import Tenant
 from tests.chaos.factories import MODEL, ROUTER_TITLE, pids_titled, start
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.e2e]

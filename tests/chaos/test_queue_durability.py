@@ -7,9 +7,9 @@ import pytest
 
 from cluster.benchmarks.durability import crash_trial
 from cluster.redis_server import AppendFsync, EmbeddedRedis
-from router import keys
 from router.messages import RequestState
-from router.tenants import Tenant
+from router.state import keys
+from router.state.tenants import Tenant
 from tests.router.factories import harness, make_request, run
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]

@@ -1,7 +1,7 @@
 """kill -9 of the router process that holds 16 streaming clients: every client reconnects with
 the last event id it saw and, in the end, has received exactly the uninterrupted text. The
 router's leases expire, another dispatcher takes the requests over from their response
-streams (router/relay.py) and goes on from the tokens the clients already have."""
+streams (router/dispatch/relay.py) and goes on from the tokens the clients already have."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ from cluster.autoscaling import (
     _replica_metrics,
     decide,
 )
-from router import keys
-from router.tenants import Tenant
+from router.state import keys
+from router.state.tenants import Tenant
 from tests.router.factories import add_tenants, harness, make_request, run
 
 S = AutoscaleSettings(min_replicas=1, max_replicas=4, target_drain_s=10.0, upscale_delay_s=2.0,

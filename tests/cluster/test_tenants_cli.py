@@ -12,10 +12,10 @@ import pytest
 
 from cluster.cli import main
 from cluster.redis_server import free_port
-from router.api_keys import Principal
 from router.errors import AuthenticationError
-from router.redis_client import with_password
-from router.tenants import Tenant
+from router.state.api_keys import Principal
+from router.state.redis_client import with_password
+from router.state.tenants import Tenant
 from tests.router.factories import harness, run
 
 

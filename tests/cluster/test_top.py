@@ -8,9 +8,9 @@ import pytest
 from rich.console import Console
 
 from cluster.top import quantile, run_top
-from router import keys
-from router.metrics import MetricsStore
-from router.tenants import Tenant
+from router.state import keys
+from router.state.tenants import Tenant
+from router.telemetry.metrics import MetricsStore
 from tests.router.factories import add_tenants, harness, make_request, run
 
 

@@ -13,14 +13,14 @@ import openai
 from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.redis_server import free_port
 from cluster.settings import load_settings
-from router import keys
-from router.capacity import ReplicaLoad, read_loads
+from router.api.prompt_tokenizer import ModelInfo
 from router.messages import RequestRecord
-from router.prompt_tokenizer import ModelInfo
-from router.queues import TenantQueues
-from router.redis_client import connect
-from router.scripts import Scripts
-from router.tenants import Tenant, TenantStore
+from router.state import keys
+from router.state.capacity import ReplicaLoad, read_loads
+from router.state.queues import TenantQueues
+from router.state.redis_client import connect
+from router.state.scripts import Scripts
+from router.state.tenants import Tenant, TenantStore
 
 MODEL = "SmolLM2-135M-Instruct"
 NUM_REPLICAS = 2

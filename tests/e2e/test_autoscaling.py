@@ -24,9 +24,9 @@ import pytest
 import yaml
 
 from cluster.autoscaling import AutoscaleSettings
-from router import keys
-from router.capacity import read_loads
-from router.redis_client import connect
+from router.state import keys
+from router.state.capacity import read_loads
+from router.state.redis_client import connect
 from tests.cluster.factories import UpProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -10,9 +10,9 @@ import time
 import httpx
 import pytest
 
-from router import keys
-from router.redis_client import connect
-from router.tenants import Tenant
+from router.state import keys
+from router.state.redis_client import connect
+from router.state.tenants import Tenant
 from tests.e2e.factories import MODEL, NUM_REPLICAS, E2ECluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

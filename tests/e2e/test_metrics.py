@@ -8,7 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.metrics import SNAPSHOT_S
+from router.telemetry.metrics import SNAPSHOT_S
 from tests.e2e.factories import MODEL, NUM_REPLICAS, E2ECluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -13,7 +13,7 @@ from replicas.engine.async_engine import TorchEngine
 from replicas.engine.config import EngineConfig
 from replicas.engine.interface import GenerateRequest
 from replicas.engine.sampling_params import SamplingParams
-from router.tenants import Tenant
+from router.state.tenants import Tenant
 from tests.e2e.factories import MODEL, E2ECluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from router.tenants import Tenant
+from router.state.tenants import Tenant
 from tests.e2e.factories import MODEL, E2ECluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -127,7 +127,7 @@ def test_n_2_streams_interleaved_by_index_each_with_its_finish(e2e: E2ECluster) 
 
 
 def test_logit_bias_minus_100_bans_a_token(e2e: E2ECluster) -> None:
-    from router.prompt_tokenizer import PromptTokenizer
+    from router.api.prompt_tokenizer import PromptTokenizer
 
     client = e2e.client()
     plain = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=12,
@@ -192,7 +192,7 @@ def test_vllm_stop_extensions(e2e: E2ECluster) -> None:
         model=MODEL, messages=FRANCE, max_tokens=20, temperature=0, stop=["Paris"],
         extra_body={"include_stop_str_in_output": True})
     assert (kept.choices[0].message.content or "").endswith("Paris")
-    from router.prompt_tokenizer import PromptTokenizer
+    from router.api.prompt_tokenizer import PromptTokenizer
 
     comma = PromptTokenizer(e2e.model_info).encode(",")[-1]
     stopped = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=6,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from router.tenants import Tenant
+from router.state.tenants import Tenant
 from tests.e2e.factories import E2ECluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import set_span_in_context
 
 from cluster.benchmarks.otlp_receiver import OtlpReceiver, ReceivedSpan
-from router.tenants import Tenant
+from router.state.tenants import Tenant
 from tests.e2e.factories import MODEL, E2ECluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

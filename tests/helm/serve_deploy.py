@@ -33,8 +33,8 @@ def main(config_path: str, redis_url: str, password: str) -> int:
     from ray.serve.schema import ServeDeploySchema
 
     from cluster.launcher import add_tenant_with_key
-    from router.redis_client import with_password
-    from router.tenants import Tenant
+    from router.state.redis_client import with_password
+    from router.state.tenants import Tenant
 
     config = yaml.safe_load(Path(config_path).read_text())
     secret = Path(tempfile.mkdtemp(prefix="fairserve-secret-")) / "password"

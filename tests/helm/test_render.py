@@ -173,7 +173,7 @@ def test_external_redis_renders_no_redis_and_passes_its_secret() -> None:
     assert settings["redis"] == {"url": "rediss://fairserve-queues.redis.example.internal:6380/0"}
     head = rayservice(docs)["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
     env = {e["name"]: e for e in head["containers"][0]["env"]}
-    # the password as a mounted Secret, read by every Ray process (router/redis_client.py)
+    # the password as a mounted Secret, read by every Ray process (router/state/redis_client.py)
     assert env["FAIRSERVE_REDIS__PASSWORD_FILE"]["value"] == "/etc/fairserve/redis/password"
     volumes = {v["name"]: v for v in head["volumes"]}
     assert volumes["redis-password"]["secret"]["secretName"] == "managed-redis"

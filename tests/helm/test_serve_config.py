@@ -18,7 +18,7 @@ from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 from cluster.app import build_app
 from cluster.redis_server import EmbeddedRedis, free_port
 from cluster.settings import load_settings
-from router.prompt_tokenizer import ModelInfo
+from router.api.prompt_tokenizer import ModelInfo
 from tests.helm.chart import PROFILES, REPO, render, serve_config, values_of
 from tests.helm.serve_deploy import RESULT
 

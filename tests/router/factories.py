@@ -12,14 +12,14 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
-from router.api_keys import ApiKeys
 from router.config import QueueSettings
+from router.dispatch.streams import ResponseStreams
 from router.messages import AdmitRequest
-from router.queues import TenantQueues
-from router.redis_client import connect
-from router.scripts import Scripts
-from router.streams import ResponseStreams
-from router.tenants import Tenant, TenantStore
+from router.state.api_keys import ApiKeys
+from router.state.queues import TenantQueues
+from router.state.redis_client import connect
+from router.state.scripts import Scripts
+from router.state.tenants import Tenant, TenantStore
 
 T = TypeVar("T")
 

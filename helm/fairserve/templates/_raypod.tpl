@@ -107,7 +107,7 @@ spec:
           value: {{ include "fairserve.redisUrl" $root | quote }}
         {{- if include "fairserve.redisPasswordSecret" $root }}
         # the Redis password: a mounted Secret, never in serveConfigV2 or an env value
-        # (router/redis_client.py: every Ray process reads it from here)
+        # (router/state/redis_client.py: every Ray process reads it from here)
         - name: FAIRSERVE_REDIS__PASSWORD_FILE
           value: /etc/fairserve/redis/password
         {{- end }}

@@ -1,0 +1,85 @@
+"""A request's sampling fields as a replica takes them (``replicas/engine/sampling_params.py``),
+checked against the model and the deployment before anything is queued.
+
+What the schema (``openai_models.py``) cannot know is checked here, each a 400 naming its
+field: ``n`` against ``router.api.max_n``, token ids in ``logit_bias`` and ``stop_token_ids``
+against the vocabulary, and a ``response_format`` schema against the grammar compiler the
+replicas use (``replicas/grammar.py``), so a request is never accepted only to fail later.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from replicas.grammar import GrammarError, check_grammar
+from router.api.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+)
+from router.errors import UNSUPPORTED_SCHEMA, InvalidRequestError
+
+Request = ChatCompletionRequest | CompletionRequest
+
+
+def check_sampling(request: Request, vocab_size: int, max_n: int) -> None:
+    """Raises ``InvalidRequestError`` naming the field the model or deployment cannot take."""
+    if request.n > max_n:
+        raise InvalidRequestError(f"n: at most {max_n} choices per request, got {request.n}",
+                                  param="n")
+    for name, ids in (("logit_bias", [int(k) for k in request.logit_bias or {}]),
+                      ("stop_token_ids", request.stop_token_ids or [])):
+        outside = [t for t in ids if t >= vocab_size]
+        if outside:
+            raise InvalidRequestError(
+                f"{name}: token id {outside[0]} is not in the vocabulary [0, {vocab_size})",
+                param=name)
+    spec = structured_output(request)
+    if spec is not None:
+        try:
+            check_grammar(spec["kind"], spec["schema"])
+        except GrammarError as exc:
+            raise InvalidRequestError(f"response_format: the schema cannot be compiled: {exc}",
+                                      param="response_format", code=UNSUPPORTED_SCHEMA) from None
+
+
+def structured_output(request: Request) -> dict[str, str] | None:
+    """The wire form of ``response_format``; None for text."""
+    form = request.response_format
+    if isinstance(form, JsonObjectFormat):
+        return {"kind": "json_object", "schema": ""}
+    if isinstance(form, JsonSchemaFormat):
+        return {"kind": "json_schema", "schema": json.dumps(form.json_schema.json_schema)}
+    return None
+
+
+def sampling_wire(request: Request, max_tokens: int) -> dict[str, Any]:
+    """The sampling parameters sent to the replica (plain JSON)."""
+    if isinstance(request, ChatCompletionRequest):
+        logprobs, top = request.logprobs, request.top_logprobs or 0
+    else:
+        logprobs, top = request.logprobs is not None, request.logprobs or 0
+    wire: dict[str, Any] = {
+        "max_tokens": max_tokens, "min_tokens": request.min_tokens,
+        "temperature": request.temperature, "top_p": request.top_p, "seed": request.seed,
+        "stop": list(request.stop_strings), "logprobs": logprobs, "top_logprobs": top}
+    extras: dict[str, Any] = {
+        "n": request.n, "top_k": max(request.top_k or 0, 0), "min_p": request.min_p,
+        "ignore_eos": request.ignore_eos, "repetition_penalty": request.repetition_penalty,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "logit_bias": [[int(k), v] for k, v in (request.logit_bias or {}).items()],
+        "stop_token_ids": list(request.stop_token_ids or []),
+        "include_stop_str_in_output": request.include_stop_str_in_output,
+        "skip_special_tokens": request.skip_special_tokens,
+        "structured_output": structured_output(request),
+    }
+    defaults = {"n": 1, "top_k": 0, "min_p": 0.0, "ignore_eos": False, "repetition_penalty": 1.0,
+                "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": [],
+                "stop_token_ids": [], "include_stop_str_in_output": False,
+                "skip_special_tokens": True, "structured_output": None}
+    # only what differs from the engine's defaults travels (request bodies stay small)
+    wire.update({k: v for k, v in extras.items() if v != defaults[k]})
+    return wire

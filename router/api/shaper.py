@@ -1,0 +1,178 @@
+"""OpenAI's chat and completions objects, built from a request's response events.
+
+A ``Shape`` is what the shaping needs to know of the request (chat or completions, its choices,
+usage and logprobs options, id, model, creation time); it is stored with the request at
+admission, so a client that reconnects (``GET /v1/chat/completions/{id}``) gets the same
+objects as the one that sent it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from router.api.openai_models import ChatCompletionRequest, CompletionRequest
+from router.dispatch.response_events import ChunkData, EndData
+from router.telemetry.request_observer import PhaseTimes
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    request_id: str
+    is_chat: bool
+    model: str
+    created_s: int
+    prompt_tokens: int
+    num_choices: int = 1
+    include_usage: bool = False
+    continuous_usage: bool = False
+    wants_logprobs: bool = False
+
+    @classmethod
+    def of(cls, body: ChatCompletionRequest | CompletionRequest, request_id: str, model: str,
+           prompt_tokens: int) -> Shape:
+        is_chat = isinstance(body, ChatCompletionRequest)
+        return cls(request_id, is_chat, model, int(time.time()), prompt_tokens, body.n,
+                   body.include_usage, body.continuous_usage,
+                   bool(body.logprobs) if is_chat else body.logprobs is not None)
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, fields: dict[str, Any]) -> Shape:
+        return cls(**fields)
+
+
+class Shaper:
+    """Builds OpenAI's chat or completions objects from response events, for ``n`` choices.
+
+    Streams are OpenAI's: a chat stream opens each choice with its role; each chunk carries one
+    choice (by ``index``); a choice's last chunk has its ``finish_reason``; with
+    ``include_usage`` a last chunk with empty ``choices`` has the usage, and with vLLM's
+    ``continuous_usage_stats`` every chunk has the usage so far.
+    """
+
+    def __init__(self, shape: Shape) -> None:
+        self.is_chat = shape.is_chat
+        self.include_usage = shape.include_usage
+        self.continuous_usage = shape.continuous_usage
+        self.num_choices = shape.num_choices
+        self.id = shape.request_id
+        self.model = shape.model
+        self.created = shape.created_s
+        self.prompt_tokens = shape.prompt_tokens
+        self.num_tokens = 0  # all choices together
+        self.texts: list[list[str]] = [[] for _ in range(shape.num_choices)]
+        self.logprobs: list[list[Any]] = [[] for _ in range(shape.num_choices)]
+        self.finished: set[int] = set()
+        self.wants_logprobs = shape.wants_logprobs
+
+    def _envelope(self, choices: list[dict[str, Any]], streaming: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if streaming else "chat.completion") if self.is_chat \
+            else "text_completion"
+        out: dict[str, Any] = {"id": self.id, "object": kind, "created": self.created,
+                               "model": self.model, "choices": choices}
+        if streaming and self.include_usage:
+            out["usage"] = None if not self.continuous_usage else {
+                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.num_tokens,
+                "total_tokens": self.prompt_tokens + self.num_tokens}
+        return out
+
+    def _choice(self, index: int, text: str | None, logprobs: Any,
+                finish: str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
+        if self.is_chat:
+            choice["delta"] = {} if text is None else {"content": text}
+        else:
+            choice["text"] = text or ""
+        return choice
+
+    def add(self, chunk: ChunkData) -> None:
+        self.num_tokens += chunk.num_tokens
+        self.texts[chunk.index].append(chunk.text)
+        if chunk.logprobs:
+            self.logprobs[chunk.index].extend(chunk.logprobs)
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        """Chat streams open each choice with the role (as OpenAI's do); completions start
+        with text."""
+        if not self.is_chat:
+            return []
+        return [self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None}], True)
+                for i in range(self.num_choices)]
+
+    def delta(self, chunk: ChunkData) -> dict[str, Any] | None:
+        """The one stream chunk of a chunk event (its text, and its choice's finish reason if
+        it is the last: one event, one SSE message, so an event id names all it carried)."""
+        index = chunk.index
+        offset = sum(map(len, self.texts[index]))
+        logprobs = self._logprobs(chunk.logprobs or [], offset) if self.wants_logprobs else None
+        self.add(chunk)
+        if chunk.finish_reason is not None:
+            self.finished.add(index)
+        elif not (chunk.text or chunk.num_tokens):
+            return None
+        text = chunk.text if (chunk.text or chunk.num_tokens) else None
+        return self._envelope([self._choice(index, text, logprobs, chunk.finish_reason)], True)
+
+    def _finish_chunk(self, index: int, reason: str | None) -> dict[str, Any]:
+        self.finished.add(index)
+        return self._envelope([self._choice(index, None, None, reason)], True)
+
+    def last_chunks(self, end: EndData, phases: PhaseTimes) -> list[dict[str, Any]]:
+        reasons = self._reasons(end)
+        chunks = [self._finish_chunk(i, reasons[i]) for i in range(self.num_choices)
+                  if i not in self.finished]
+        if self.include_usage:
+            usage = self._envelope([], True)
+            usage["usage"] = usage_of(end, phases)
+            chunks.append(usage)
+        return chunks
+
+    def _reasons(self, end: EndData) -> list[str | None]:
+        """Each choice's finish reason (one choice: the request's)."""
+        if end.finish_reasons is not None:
+            return list(end.finish_reasons)
+        return [end.finish_reason] * self.num_choices
+
+    def final(self, end: EndData, phases: PhaseTimes) -> dict[str, Any]:
+        reasons = self._reasons(end)
+        choices = []
+        for i in range(self.num_choices):
+            text = "".join(self.texts[i])
+            logprobs = self._logprobs(self.logprobs[i], 0) if self.wants_logprobs else None
+            choice: dict[str, Any] = {"index": i, "logprobs": logprobs,
+                                      "finish_reason": reasons[i]}
+            choice |= {"message": {"role": "assistant", "content": text}} if self.is_chat \
+                else {"text": text}
+            choices.append(choice)
+        out = self._envelope(choices, False)
+        out["usage"] = usage_of(end, phases)
+        return out
+
+    def _logprobs(self, items: list[Any], offset: int) -> dict[str, Any]:
+        if self.is_chat:
+            return {"content": [{
+                "token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                "top_logprobs": [{"token": t, "logprob": p, "bytes": list(t.encode())}
+                                 for t, p in top]} for tok, lp, top in items]}
+        offsets, position = [], offset
+        for tok, _, _ in items:
+            offsets.append(position)
+            position += len(tok)
+        return {"tokens": [tok for tok, _, _ in items],
+                "token_logprobs": [lp for _, lp, _ in items],
+                "top_logprobs": [dict(top) for _, _, top in items],
+                "text_offset": offsets}
+
+
+def usage_of(end: EndData, phases: PhaseTimes) -> dict[str, Any]:
+    """OpenAI's usage, plus ``timings_ms``: where the request's time went (queue,
+    engine_queue, prefill, decode), as in the ``Server-Timing`` header."""
+    return {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
+            "total_tokens": end.prompt_tokens + end.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": end.cached_tokens},
+            "timings_ms": phases.as_ms()}

@@ -1,0 +1,71 @@
+"""Where a request stands, per choice: the output tokens its client has been sent, their text,
+and whether the choice has ended. What a migration resumes from.
+
+The dispatcher keeps it as chunks go out; a dispatcher that takes a request over (the one that
+had it died, or gave it back) rebuilds it from the request's response stream in Redis, which
+is the record of what the client was sent: every chunk event carries its choice, its token ids
+and the position it brings the choice to (``router/dispatch/response_events.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.dispatch.response_events import CHUNK, ChunkData, parse
+from router.messages import StreamEvent
+
+
+@dataclass(slots=True)
+class ChoiceProgress:
+    token_ids: list[int] = field(default_factory=list)
+    num_text_chars: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class Progress:
+    num_choices: int = 1
+    choices: dict[int, ChoiceProgress] = field(default_factory=dict)
+
+    def choice(self, index: int) -> ChoiceProgress:
+        return self.choices.setdefault(index, ChoiceProgress())
+
+    def add(self, chunk: ChunkData, token_ids: list[int]) -> int:
+        """Record a chunk sent to the client; returns the position it brings its choice to."""
+        choice = self.choice(chunk.index)
+        choice.token_ids.extend(token_ids)
+        choice.num_text_chars += len(chunk.text)
+        if chunk.finish_reason is not None:
+            choice.finish_reason = chunk.finish_reason
+        return len(choice.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices.values())
+
+    @property
+    def is_finished(self) -> bool:
+        return (len(self.choices) == self.num_choices
+                and all(c.is_finished for c in self.choices.values()))
+
+    def resume_wire(self) -> list[dict[str, Any]]:
+        """The ``resume`` of a replica call: each choice that has started (plain JSON)."""
+        return [{"index": i, "token_ids": c.token_ids, "num_text_chars_sent": c.num_text_chars,
+                 "is_finished": c.is_finished} for i, c in sorted(self.choices.items())]
+
+    @classmethod
+    def from_events(cls, events: list[StreamEvent], num_choices: int) -> Progress:
+        """What the client was sent, read back from the response stream."""
+        progress = cls(num_choices)
+        for event in events:
+            if event.type != CHUNK:
+                continue
+            chunk = parse(event)
+            assert isinstance(chunk, ChunkData)
+            progress.add(chunk, chunk.token_ids or [])
+        return progress

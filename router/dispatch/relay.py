@@ -1,0 +1,394 @@
+"""One granted request on the replicas: its chunks relayed into its response stream, and
+migrated to another replica when the one running it dies, hangs or drains.
+
+NOTE: migration. The response stream in Redis is the record of what the client was sent
+(``router/dispatch/progress.py`` reads it back); a replica lost mid-stream is not the client's problem.
+The relay calls a replica again with the same request and a ``resume`` per choice: the output
+tokens already sent (output, not prompt: ``max_tokens``, ``min_tokens``, penalties, seeded draws
+by position and the grammar all count them) and how much of their text went out. The engine
+continues from there and sends only what follows (``replicas/engine/engine_core.py``); the
+client sees one unbroken stream, and one usage that counts each token once. Appends are fenced
+by position (``router/state/scripts/append.lua``), so a revived replica or a second writer never
+duplicates a token. A request migrates at most ``max_migrations`` times; after that it ends
+with an error event (or, if nothing was sent, goes back to its queue). Each migration is
+counted (``fairserve_migrations_total``) and traced (a ``fairserve.migration`` span).
+
+What triggers one: the replica's stream failing (the actor died, was killed at the end of a
+graceful drain that outlasted its timeout, or cannot be reached), and a stall. A Ray stream
+from a frozen process can hang its caller for ever, so the relay does not trust it to end: when
+no chunk came for ``stall_timeout_s`` it looks at the replica's heartbeat in Redis (its load
+report, every ``report_interval_s``, with its engine's step count). A replica that stopped
+reporting, or whose engine has made no step for ``stall_timeout_s`` while it has work, is
+stalled: its stream is cancelled and the request moves. A slow but healthy engine (a long
+prefill, a crowded batch) keeps stepping and is left alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import redis.asyncio as aioredis
+from opentelemetry.trace import Span, Status, StatusCode
+from redis.exceptions import RedisError
+
+from router.api.prompt_tokenizer import PromptTokenizer
+from router.dispatch import response_events
+from router.dispatch.progress import Progress
+from router.dispatch.streams import AppendBatcher, Event, ResponseStreams
+from router.errors import ReplicaFailedError, ReplicaUnavailableError, RouterError
+from router.messages import Grant, RequestState, StreamEvent
+from router.state import keys
+from router.state.capacity import ReplicaLoad
+from router.state.queues import TenantQueues
+from router.telemetry.tracing import Tracing, carrier
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+ACCEPT_TIMEOUT_S = 180.0  # no replica took the call (all dead, one restarting): then migrate
+REDIS_OUTAGE_S = 30.0  # a write to Redis is retried this long (a restart) before giving up
+REDIS_RETRY_S = 0.5
+MIGRATION_BACKOFF_S = (0.2, 0.5, 1.0, 2.0)
+
+
+class ReplicaStream(Protocol):
+    def __aiter__(self) -> AsyncIterator[dict[str, Any]]: ...
+
+    def cancel(self) -> None: ...
+
+
+class ReplicaPool(Protocol):
+    """How a dispatcher reaches the replicas (a Ray Serve handle in the cluster)."""
+
+    def generate(self, call: dict[str, Any]) -> ReplicaStream:
+        """Start one request; iterating yields wire chunks. Raises ``ReplicaUnavailableError``
+        or ``ReplicaFailedError`` while iterating."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RelaySettings:
+    max_migrations: int = 3
+    stall_timeout_s: float = 10.0
+    stall_check_s: float = 1.0
+
+
+@dataclass(slots=True)
+class Running:
+    """A granted request while this dispatcher serves it."""
+
+    grant: Grant
+    granted_ns: int
+    admitted_ns: int
+    span: Span | None = None
+    stream: ReplicaStream | None = None
+    is_cancel_requested: bool = False
+    progress: Progress = field(default_factory=Progress)
+    finals: dict[int, dict[str, Any]] = field(default_factory=dict)  # choice -> its last wire
+    migrations: int = 0
+    replica_id: str | None = None
+
+
+class _Stalled(Exception):
+    pass
+
+
+class Relay:
+    def __init__(self, queues: TenantQueues, appends: AppendBatcher, replicas: ReplicaPool,
+                 tokenizer: PromptTokenizer, tracing: Tracing, settings: RelaySettings,
+                 on_migration: Callable[[str, str], None] = lambda tenant, reason: None) -> None:
+        self.queues = queues
+        self.appends = appends
+        self.streams = appends.streams
+        self.replicas = replicas
+        self.tokenizer = tokenizer
+        self.tracing = tracing
+        self.settings = settings
+        self.on_migration = on_migration
+        self.client: aioredis.Redis = queues.client
+
+    async def run(self, running: Running) -> None:
+        """Serve the request to its end: completed, cancelled, failed, or given back."""
+        grant = running.grant
+        body = json.loads(grant.body)
+        num_choices = int(body["sampling"].get("n", 1))
+        running.progress = Progress(num_choices)
+        if grant.lease.attempt > 1:  # taken over: the client may have tokens already
+            events = [e async for e in _all_events(self.streams, grant)]
+            running.progress = Progress.from_events(events, num_choices)
+            if running.progress.is_finished:  # all sent; only the end was not written
+                await self._complete(running)
+                return
+        while True:
+            reason = await self._attempt(running, body)
+            if reason is None or not await self._may_migrate(running, reason):
+                return
+
+    async def _attempt(self, running: Running, body: dict[str, Any]) -> str | None:
+        """One call to a replica; None when the request ended, else why it must move."""
+        grant = running.grant
+        call: dict[str, Any] = {
+            "request_id": f"{grant.request_id}.{grant.lease.attempt}.{running.migrations}",
+            "prompt_token_ids": body["prompt_token_ids"], "sampling": body["sampling"]}
+        if running.progress.choices:
+            call["resume"] = running.progress.resume_wire()
+        if running.span is not None:
+            call["trace"] = carrier(running.span)
+        want_logprobs = bool(body["sampling"].get("logprobs"))
+        running.replica_id = None
+        try:
+            running.stream = self.replicas.generate(call)
+            async for wire in self._watched(running, running.stream):
+                if running.is_cancel_requested:
+                    break
+                if await self._relay(running, wire, want_logprobs):
+                    return None
+        except ReplicaUnavailableError as exc:
+            return f"replica unavailable: {exc.message}"
+        except _Stalled as exc:
+            return f"stalled: {exc}"
+        except ReplicaFailedError as exc:
+            await self._fail(running, exc)
+            return None
+        if running.is_cancel_requested:
+            await self._end_cancelled(running)
+            end_span(running, "cancelled")
+            return None
+        return "stream ended early"
+
+    async def _watched(self, running: Running, stream: ReplicaStream
+                       ) -> AsyncIterator[dict[str, Any]]:
+        """The stream's wires, or ``_Stalled`` when its replica stopped making progress."""
+        wires: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for wire in stream:
+                    wires.put_nowait(wire)
+                wires.put_nowait(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the reader
+                wires.put_nowait(exc)
+
+        pumping = asyncio.create_task(pump())
+        watch = _Watch(time.monotonic())
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(wires.get(), self.settings.stall_check_s)
+                except TimeoutError:
+                    problem = await self._stall(running, watch)
+                    if problem is not None:
+                        stream.cancel()
+                        raise _Stalled(problem) from None
+                    continue
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                watch.seen(time.monotonic())
+                if item.get("replica_id"):
+                    running.replica_id = str(item["replica_id"])
+                yield item
+        finally:
+            pumping.cancel()
+
+    async def _stall(self, running: Running, watch: _Watch) -> str | None:
+        """Why the replica counts as stalled, or None while it is alive (see the NOTE)."""
+        now = time.monotonic()
+        if running.replica_id is None:
+            waited = now - watch.last_wire_s
+            return f"no replica took the call in {waited:.0f} s" \
+                if waited > ACCEPT_TIMEOUT_S else None
+        if now - watch.last_wire_s < self.settings.stall_timeout_s:
+            return None
+        raw = await self.client.get(keys.replica(running.replica_id))
+        if raw is None:
+            return f"replica {running.replica_id} stopped reporting"
+        load = ReplicaLoad.from_json(raw)
+        if load.num_steps != watch.steps:
+            watch.steps, watch.steps_changed_s = load.num_steps, now  # slow, but stepping
+            return None
+        stuck_s = now - watch.steps_changed_s
+        if load.is_busy and stuck_s >= self.settings.stall_timeout_s:
+            return f"replica {running.replica_id} made no engine step in {stuck_s:.0f} s"
+        return None
+
+    async def _may_migrate(self, running: Running, reason: str) -> bool:
+        grant = running.grant
+        if running.is_cancel_requested:
+            await self._end_cancelled(running)
+            end_span(running, "cancelled")
+            return False
+        if running.migrations >= self.settings.max_migrations:
+            if running.progress.num_tokens == 0:  # nothing sent: back to its queue, credit kept
+                state = await self.queues.requeue(grant.lease, reason)
+                logger.warning("%s: %s; %s", grant.request_id, reason, state.value)
+                end_span(running, "requeued")
+            else:
+                await self._fail(running, ReplicaUnavailableError(
+                    f"the request could not be finished after {running.migrations} migrations "
+                    f"({reason})"))
+            return False
+        running.migrations += 1
+        kind = reason.split(":", 1)[0].replace(" ", "_")
+        self.on_migration(grant.tenant_id, kind)
+        logger.warning("%s: migrating (%d of %d) after %d tokens: %s", grant.request_id,
+                       running.migrations, self.settings.max_migrations,
+                       running.progress.num_tokens, reason)
+        self._trace_migration(running, reason)
+        await asyncio.sleep(MIGRATION_BACKOFF_S[min(running.migrations, len(MIGRATION_BACKOFF_S))
+                                                - 1])
+        return True
+
+    def _trace_migration(self, running: Running, reason: str) -> None:
+        tracer = self.tracing.tracer
+        if tracer is None or running.span is None:
+            return
+        from opentelemetry import trace
+
+        context = trace.set_span_in_context(running.span)
+        span = tracer.start_span("fairserve.migration", context=context, attributes={
+            "fairserve.migration.number": running.migrations,
+            "fairserve.migration.reason": reason,
+            "fairserve.migration.tokens_sent": running.progress.num_tokens,
+            "fairserve.replica.id": running.replica_id or ""})
+        span.end()
+
+    async def _relay(self, running: Running, wire: dict[str, Any], want_logprobs: bool) -> bool:
+        """Append one chunk; True when it was the last open choice's final one and the request
+        is completed."""
+        ids: list[int] = wire["token_ids"]
+        finish = wire.get("finish_reason")
+        if not ids and not wire["text"] and finish is None:
+            return False  # the replica saying it has the call
+        index = int(wire.get("index", 0))
+        logprobs = _logprobs(self.tokenizer, wire.get("logprobs")) if want_logprobs else None
+        chunk = response_events.ChunkData(wire["text"], len(ids), logprobs, index, finish)
+        reached = running.progress.add(chunk, ids)
+        position = reached if ids else 0  # a chunk without tokens is not fenced
+        data = response_events.chunk_data(wire["text"], ids, position, logprobs, index, finish)
+        event = Event(response_events.CHUNK, data, index, position)
+        status = await _riding_out_redis(
+            lambda: self.appends.append(running.grant.lease, [event]))
+        if status.is_cancel_requested:
+            running.is_cancel_requested = True
+        if finish is None:
+            return False
+        running.finals[index] = wire
+        if not running.progress.is_finished:
+            return False
+        await self._complete(running)
+        return True
+
+    async def _complete(self, running: Running) -> None:
+        """Every choice has ended: the end event with the usage of all, and the settlement."""
+        progress = running.progress
+        finals = [running.finals[i] for i in sorted(running.finals)]
+        usages = [w["usage"] for w in finals if w.get("usage")]
+        prompt = usages[0]["prompt_tokens"] if usages else running.grant.prompt_tokens
+        cached = usages[0]["cached_tokens"] if usages else 0
+        completion = progress.num_tokens  # each token once, whichever replica made it
+        timings = {**_merged_timings([w.get("timings") or {} for w in finals]),
+                   "admitted_s": running.admitted_ns / 1e9, "granted_s": running.granted_ns / 1e9}
+        reasons = [progress.choice(i).finish_reason or "stop" for i in range(progress.num_choices)]
+        final = response_events.end_data(reasons[0], prompt, completion, cached, timings,
+                                         reasons if progress.num_choices > 1 else None)
+        outcome = RequestState.CANCELLED if reasons[0] == "abort" else RequestState.COMPLETED
+        await _riding_out_redis(lambda: self.queues.complete(
+            running.grant.lease, prompt, completion, reasons[0], final, outcome))
+        if running.span is not None:
+            running.span.set_attribute("fairserve.replica.id", running.replica_id or "")
+            running.span.set_attribute("fairserve.migrations", running.migrations)
+            end_span(running, outcome.value)
+
+    async def _end_cancelled(self, running: Running) -> None:
+        used = running.progress.num_tokens
+        final = response_events.end_data("abort", running.grant.prompt_tokens, used, 0)
+        await self.queues.complete(running.grant.lease, running.grant.prompt_tokens, used,
+                                   "abort", final, RequestState.CANCELLED)
+
+    async def _fail(self, running: Running, error: RouterError) -> None:
+        logger.error("request %s failed: %s", running.grant.request_id, error.message)
+        end_span(running, "failed", is_error=True)
+        used, prompt = running.progress.num_tokens, running.grant.prompt_tokens
+        await self.queues.complete(running.grant.lease, prompt, used, "error",
+                                   response_events.error_data(error, prompt, used))
+
+
+@dataclass(slots=True)
+class _Watch:
+    """When the relay last heard from the replica, the engine step count its heartbeat last
+    showed, and when that count last changed."""
+
+    last_wire_s: float
+    steps: int | None = None
+    steps_changed_s: float = 0.0
+
+    def seen(self, now: float) -> None:
+        self.last_wire_s = now
+
+
+async def _riding_out_redis(write: Callable[[], Awaitable[T]]) -> T:
+    """``write()``, retried while Redis is unreachable (a restart, a failover) for up to
+    ``REDIS_OUTAGE_S``; the replica's chunks wait meanwhile (``_watched`` queues them), and
+    the positions make a retried append that did land harmless."""
+    deadline = time.monotonic() + REDIS_OUTAGE_S
+    while True:
+        try:
+            return await write()
+        except (RedisError, OSError) as exc:
+            if time.monotonic() > deadline:
+                raise
+            logger.warning("Redis unreachable (%s); retrying", exc)
+            await asyncio.sleep(REDIS_RETRY_S)
+
+
+async def _all_events(streams: ResponseStreams, grant: Grant) -> AsyncIterator[StreamEvent]:
+    """The events a request's stream holds now (no waiting for more)."""
+    raw: Any = await streams.client.xrange(keys.stream(grant.tenant_id, grant.request_id))
+    for event_id, fields in raw:
+        yield StreamEvent(event_id.decode(), fields[b"type"].decode(), fields[b"data"].decode())
+
+
+def end_span(running: Running, outcome: str, is_error: bool = False) -> None:
+    """End the dispatch span once, with how the delivery ended."""
+    span, running.span = running.span, None
+    if span is None:
+        return
+    span.set_attribute("fairserve.outcome", outcome)
+    if is_error:
+        span.set_status(Status(StatusCode.ERROR, outcome))
+    span.end()
+
+
+def _merged_timings(timings: list[dict[str, Any]]) -> dict[str, Any]:
+    """The engine timings of a request from its choices': the earliest start of each phase,
+    the last finish, counts added up (one choice: its own)."""
+    if len(timings) == 1:
+        return timings[0]
+
+    def earliest(name: str) -> float | None:
+        values = [t[name] for t in timings if t.get(name) is not None]
+        return min(values) if values else None
+
+    merged: dict[str, Any] = {name: earliest(name)
+                              for name in ("arrived_s", "first_scheduled_s", "first_token_s")}
+    finished = [t["finished_s"] for t in timings if t.get("finished_s") is not None]
+    merged["finished_s"] = max(finished) if finished else None
+    for name in ("num_prefill_chunks", "num_preemptions"):
+        merged[name] = sum(int(t.get(name, 0)) for t in timings)
+    return merged
+
+
+def _logprobs(tokenizer: PromptTokenizer, raw: list[Any] | None) -> list[Any] | None:
+    """Wire logprobs ``[[id, logprob, [[id, logprob], ...]], ...]`` with token texts."""
+    if raw is None:
+        return None
+    return [[tokenizer.piece(tid), lp, [[tokenizer.piece(t), p] for t, p in top]]
+            for tid, lp, top in raw]

@@ -1,0 +1,188 @@
+"""One blocking XREAD per router for every response stream its clients are waiting on.
+
+A blocking read per waiting client would hold one Redis connection per client: hundreds of
+queued requests exhaust any pool (redis-py's default is 100) and Redis' own client limit. The
+mux keeps one dedicated connection blocked in ``XREAD ... STREAMS k1 k2 ...`` over all the
+streams waited on, and hands each event to the waiters of its stream. A new waiter must be in
+the next read: it wakes the blocked one with ``CLIENT UNBLOCK`` (Redis 5+), so it waits for no
+timeout. Several waiters may read one stream (an ``Idempotency-Key`` join reads from the start
+while the first reader is further on); each has its own position.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from router.errors import NotFoundError, OverloadedError
+from router.messages import RequestState, StreamEvent
+from router.state import keys
+
+logger = logging.getLogger(__name__)
+
+READ_BLOCK_MS = 1_000
+READ_BATCH = 512
+UNBLOCK_RETRY_S = 0.001
+UNBLOCK_RETRIES = 20
+RECONNECT_S = 0.5
+REDIS_OUTAGE_S = 30.0  # a waiter rides out a Redis restart this long, then fails (503)
+
+
+def _id_key(event_id: str) -> tuple[int, int]:
+    ms, _, seq = event_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass(eq=False)
+class _Waiter:
+    last: str
+    queue: asyncio.Queue[StreamEvent] = field(default_factory=asyncio.Queue)
+
+
+class StreamMux:
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+        self._waiters: dict[str, list[_Waiter]] = {}
+        self._changed = asyncio.Event()
+        self._reader_id: int | None = None
+        self._num_reads = 0  # XREAD calls issued so far
+        self._is_blocked = False
+        self._task: asyncio.Task[None] | None = None
+        self._is_stopping = False
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="stream mux")
+
+    async def stop(self) -> None:
+        # redis-py may swallow a cancellation that lands in a blocked read, so the loop also
+        # checks a flag, and is woken up to see it
+        self._is_stopping = True
+        self._changed.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(self._task, READ_BLOCK_MS / 1000 * 3)
+
+    async def read(self, tenant_id: str, request_id: str, after: str = "0-0",
+                   idle_timeout_s: float | None = None) -> AsyncIterator[StreamEvent]:
+        """Events after ``after`` up to and including the terminal one (as
+        ``ResponseStreams.read``, but sharing one connection with every other reader)."""
+        stream_key = keys.stream(tenant_id, request_id)
+        request_key = keys.request(tenant_id, request_id)
+        if await self._is_gone(request_key, stream_key):
+            raise NotFoundError(f"no request {request_id!r}, or its stream has expired",
+                                param="request_id")
+        waiter = _Waiter(after)
+        self._waiters.setdefault(stream_key, []).append(waiter)
+        try:
+            await self._wake_reader()
+            idle_since = time.monotonic()
+            unreachable_since: float | None = None
+            while True:
+                try:
+                    item = await asyncio.wait_for(waiter.queue.get(), READ_BLOCK_MS / 1000)
+                except TimeoutError:
+                    if idle_timeout_s is not None and time.monotonic() - idle_since > idle_timeout_s:
+                        raise TimeoutError(f"no event on {request_id!r} for {idle_timeout_s} s"
+                                           ) from None
+                    try:
+                        is_gone = await self._is_gone(request_key, stream_key)
+                    except (RedisError, OSError) as exc:  # a restart: wait for it, a while
+                        unreachable_since = unreachable_since or time.monotonic()
+                        if time.monotonic() - unreachable_since > REDIS_OUTAGE_S:
+                            raise OverloadedError(f"the queue store is unavailable: {exc}"
+                                                  ) from exc
+                        continue
+                    unreachable_since = None
+                    if is_gone:
+                        raise NotFoundError(f"request {request_id!r} expired",
+                                            param="request_id") from None
+                    continue
+                idle_since = time.monotonic()
+                yield item
+                if item.is_terminal:
+                    return
+        finally:
+            waiters = self._waiters.get(stream_key, [])
+            if waiter in waiters:
+                waiters.remove(waiter)
+            if not waiters:
+                self._waiters.pop(stream_key, None)
+
+    async def _is_gone(self, request_key: str, stream_key: str) -> bool:
+        """No stream, and none to come: the request is unknown, or it ended and its stream
+        expired (``keys.STREAM_ENDED_TTL_S``; the request's record outlives it)."""
+        if await self.client.exists(stream_key):
+            return False
+        state = cast(bytes | None, await self.client.hget(request_key, "state"))
+        return state is None or RequestState(state.decode()).is_terminal
+
+    async def _wake_reader(self) -> None:
+        """Make sure the next XREAD includes the waiter just added."""
+        self._changed.set()
+        reads_before = self._num_reads
+        for _ in range(UNBLOCK_RETRIES):
+            if not self._is_blocked or self._reader_id is None or self._num_reads != reads_before:
+                return
+            if await self.client.client_unblock(self._reader_id):
+                return
+            # the read was sent but has not reached the server yet: try again in a moment
+            await asyncio.sleep(UNBLOCK_RETRY_S)
+
+    async def _run(self) -> None:
+        while not self._is_stopping:
+            reader = aioredis.Redis(connection_pool=self.client.connection_pool,
+                                    single_connection_client=True)
+            try:
+                self._reader_id = int(await reader.client_id())
+                await self._read_forever(reader)
+            except (RedisError, OSError) as exc:
+                # waiters keep their positions and are served again once Redis is back; each
+                # waiter's own existence check fails its request if Redis stays away
+                logger.warning("stream reader lost Redis: %s", exc)
+                await asyncio.sleep(RECONNECT_S)
+            finally:
+                self._reader_id = None
+                self._is_blocked = False
+                with contextlib.suppress(RedisError, OSError):
+                    await reader.aclose()
+
+    async def _read_forever(self, reader: aioredis.Redis) -> None:
+        while not self._is_stopping:
+            if not self._waiters:
+                await self._changed.wait()
+            self._changed.clear()
+            streams: Any = {key: min((w.last for w in ws), key=_id_key)
+                       for key, ws in self._waiters.items() if ws}
+            if not streams:
+                continue
+            self._num_reads += 1
+            self._is_blocked = True
+            try:
+                reply: Any = await reader.xread(streams, count=READ_BATCH, block=READ_BLOCK_MS)
+            finally:
+                self._is_blocked = False
+            for raw_key, entries in reply or []:
+                key = raw_key.decode()
+                self._deliver(key, _id_key(streams[key]), entries)
+
+    def _deliver(self, stream_key: str, start: tuple[int, int], entries: list[Any]) -> None:
+        for waiter in self._waiters.get(stream_key, []):
+            position = _id_key(waiter.last)
+            if position < start:  # joined during this read: it would miss what lies between
+                continue
+            for raw_id, fields in entries:
+                event_id = raw_id.decode()
+                if _id_key(event_id) <= position:
+                    continue
+                waiter.queue.put_nowait(StreamEvent(event_id, fields[b"type"].decode(),
+                                                    fields[b"data"].decode()))
+                waiter.last = event_id

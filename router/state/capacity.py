@@ -1,0 +1,86 @@
+"""Replica capacity, from the load reports replicas write to Redis.
+
+Each replica writes its report (``replicas/load_report.py``) every fraction of a second, with a
+TTL; a replica that stops reporting (dead, or removed) drops out of the sum within
+``keys.REPLICA_REPORT_TTL_S``. Dispatchers pass the sum of the slots to the grant script, which
+counts the live leases in the same atomic call, so all dispatchers together never lease more
+requests than the replicas take: Ray Serve's handle never has to queue one out of sight.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from router.state import keys
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    replica_id: str
+    max_ongoing: int  # slots: requests it takes at once (Ray Serve's max_ongoing_requests)
+    ongoing: int
+    num_running: int
+    num_waiting: int
+    num_free_kv_blocks: int
+    num_total_kv_blocks: int
+    output_tokens_per_s: float
+    reported_ms: int
+    num_steps: int = 0  # the engine's steps so far: a hung engine stops counting
+
+    @property
+    def is_busy(self) -> bool:
+        return bool(self.ongoing or self.num_running or self.num_waiting)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> ReplicaLoad:
+        fields = json.loads(raw)
+        return cls(**{k: v for k, v in fields.items() if k in cls.__dataclass_fields__})
+
+    def to_json(self) -> str:
+        return json.dumps({name: getattr(self, name) for name in self.__slots__})
+
+
+async def read_loads(client: aioredis.Redis) -> list[ReplicaLoad]:
+    """The live replicas' last reports; stale index entries are pruned."""
+    now_ms = int(time.time() * 1000)
+    oldest = now_ms - keys.REPLICA_REPORT_TTL_S * 1000
+    ids: list[Any] = await client.zrangebyscore(keys.replicas(), oldest, "+inf")
+    loads: list[ReplicaLoad] = []
+    if ids:
+        raws = await client.mget([keys.replica(i.decode()) for i in ids])
+        for replica_id, raw in zip(ids, raws, strict=True):
+            if raw is None:
+                continue
+            try:
+                loads.append(ReplicaLoad.from_json(raw))
+            except (ValueError, TypeError) as exc:
+                logger.warning("malformed load report of replica %s: %s", replica_id, exc)
+    await client.zremrangebyscore(keys.replicas(), "-inf", f"({oldest}")
+    return loads
+
+
+class CapacityView:
+    """Total replica slots, read at most once per ``refresh_s``."""
+
+    def __init__(self, client: aioredis.Redis, refresh_s: float = 0.25) -> None:
+        self.client = client
+        self.refresh_s = refresh_s
+        self._loads: list[ReplicaLoad] = []
+        self._read_at = 0.0
+
+    async def loads(self) -> list[ReplicaLoad]:
+        if time.monotonic() - self._read_at >= self.refresh_s:
+            self._loads = await read_loads(self.client)
+            self._read_at = time.monotonic()
+        return self._loads
+
+    async def total_slots(self) -> int:
+        return sum(load.max_ongoing for load in await self.loads())

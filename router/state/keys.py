@@ -1,0 +1,207 @@
+"""Every Redis key fairserve uses, built from the templates in this one module.
+
+Layout (prefix ``fs``):
+
+- per tenant, under the hash tag ``{<tenant>}`` so that a tenant's keys share one slot:
+  ``fs:{t}:tenant`` (HASH, the tenant's settings), ``fs:{t}:keys`` (HASH key id -> digest),
+  ``fs:{t}:state`` (HASH: fair-share finish tag, GCRA theoretical arrival times),
+  ``fs:{t}:queue`` (LIST of request ids, head = next), ``fs:{t}:req:<id>`` (HASH, one request),
+  ``fs:{t}:stream:<id>`` (STREAM, one request's response events), ``fs:{t}:budget:<day>``
+  (STRING, tokens reserved or charged on one UTC day), ``fs:{t}:dead`` (ZSET of dead-lettered
+  ids), ``fs:{t}:stats`` (HASH of counters);
+- global: ``fs:tenants`` (SET of tenant ids), ``fs:apikey:<digest>`` (HASH, one API key, found
+  by the SHA-256 digest of the key), and the scheduler under the hash tag ``{sched}``:
+  ``fs:{sched}:classes`` (ZSET of priority classes with backlog), ``fs:{sched}:ready:<class>``
+  (ZSET tenant -> start tag of its head request), ``fs:{sched}:vtime`` (HASH class -> virtual
+  time), ``fs:{sched}:leases`` (ZSET ``"<tenant> <id>"`` -> lease deadline in ms),
+  ``fs:{sched}:detached`` (ZSET ``"<tenant> <id>"`` -> when a request nobody reads is cancelled),
+  ``fs:{sched}:replicas`` (ZSET replica id -> time of its last load report in ms),
+  ``fs:{sched}:replica:<id>`` (STRING, the replica's last load report as JSON, with a TTL), and
+  the pub/sub channel ``fs:{sched}:wake`` (admissions wake the dispatchers).
+
+NOTE: router/state/scripts.py writes these templates (``%s`` placeholders) and the TTLs below into
+the source of every Lua script as constants (``K``, and ``KP``: each template split at its
+placeholders), and the scripts build keys by concatenating those parts, so the names live here
+only. The grant script crosses
+tenants by design (it picks among all of them), so fairserve needs a single Redis primary
+(with replicas or Sentinel for failover); the per-tenant hash tags keep the per-tenant data of
+one tenant in one slot for a future sharded layout, but Redis Cluster is not supported today.
+"""
+
+from __future__ import annotations
+
+import re
+
+from router.errors import InvalidRequestError
+
+PREFIX = "fs"
+
+# Tenant ids and request ids go inside key names: no braces, colons or spaces, so a caller can
+# never break out of its own hash tag or forge another tenant's key.
+TENANT_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+# TTLs (seconds) of keys that outlive their request, and other named limits.
+REQUEST_RESULT_TTL_S = 24 * 3600  # an ended request stays readable (idempotent replay) this long
+STREAM_IDLE_TTL_S = 3600  # a response stream with no new event expires after this
+STREAM_ENDED_TTL_S = 15 * 60  # a finished stream stays resumable this long
+BUDGET_DAY_TTL_S = 2 * 24 * 3600  # one day's budget counter, kept past the day for inspection
+DEAD_LETTER_TTL_S = 7 * 24 * 3600  # the dead-letter set of a tenant, refreshed on every entry
+REPLICA_REPORT_TTL_S = 5  # a load report not refreshed for this long is of a dead replica
+STREAM_MAX_EVENTS = 100_000  # approximate cap (XADD MAXLEN ~) on one request's stream
+
+_TEMPLATES: dict[str, str] = {
+    "tenant": PREFIX + ":{%s}:tenant",
+    "api_keys": PREFIX + ":{%s}:keys",
+    "state": PREFIX + ":{%s}:state",
+    "queue": PREFIX + ":{%s}:queue",
+    "request": PREFIX + ":{%s}:req:%s",
+    "stream": PREFIX + ":{%s}:stream:%s",
+    "budget": PREFIX + ":{%s}:budget:%s",
+    "dead": PREFIX + ":{%s}:dead",
+    "stats": PREFIX + ":{%s}:stats",
+    "tenants": PREFIX + ":tenants",
+    "api_key": PREFIX + ":apikey:%s",
+    "classes": PREFIX + ":{sched}:classes",
+    "ready": PREFIX + ":{sched}:ready:%s",
+    "vtime": PREFIX + ":{sched}:vtime",
+    "leases": PREFIX + ":{sched}:leases",
+    "detached": PREFIX + ":{sched}:detached",
+    "replicas": PREFIX + ":{sched}:replicas",
+    "replica": PREFIX + ":{sched}:replica:%s",
+    "wake": PREFIX + ":{sched}:wake",
+    "metrics_routers": PREFIX + ":{sched}:metrics",
+    "autoscaler": PREFIX + ":{sched}:autoscaler",
+    "autoscaler_decisions": PREFIX + ":{sched}:autoscaler:decisions",
+    "router_metrics": PREFIX + ":{sched}:metrics:%s",
+}
+
+# What every script is compiled with: the templates, and the TTLs and limits it applies.
+SCRIPT_CONSTANTS: dict[str, str | int] = {
+    **_TEMPLATES,
+    "result_ttl_s": REQUEST_RESULT_TTL_S,
+    "stream_idle_ttl_s": STREAM_IDLE_TTL_S,
+    "stream_ended_ttl_s": STREAM_ENDED_TTL_S,
+    "budget_ttl_s": BUDGET_DAY_TTL_S,
+    "dead_ttl_s": DEAD_LETTER_TTL_S,
+    "stream_max_events": STREAM_MAX_EVENTS,
+}
+
+
+def detached() -> str:
+    return _TEMPLATES["detached"]
+
+
+def check_tenant_id(tenant_id: str) -> str:
+    if not isinstance(tenant_id, str) or not TENANT_ID_PATTERN.match(tenant_id):
+        raise InvalidRequestError(
+            f"invalid tenant id {tenant_id!r}: 1-63 of a-z, 0-9, '_' and '-', starting with a "
+            "letter or digit",
+            param="tenant",
+        )
+    return tenant_id
+
+
+def check_request_id(request_id: str) -> str:
+    if not isinstance(request_id, str) or not REQUEST_ID_PATTERN.match(request_id):
+        raise InvalidRequestError(
+            f"invalid request id {request_id!r}: 1-128 of A-Z, a-z, 0-9, '.', '_' and '-'",
+            param="request_id",
+        )
+    return request_id
+
+
+def tenant(tenant_id: str) -> str:
+    return _TEMPLATES["tenant"] % check_tenant_id(tenant_id)
+
+
+def api_keys(tenant_id: str) -> str:
+    return _TEMPLATES["api_keys"] % check_tenant_id(tenant_id)
+
+
+def state(tenant_id: str) -> str:
+    return _TEMPLATES["state"] % check_tenant_id(tenant_id)
+
+
+def queue(tenant_id: str) -> str:
+    return _TEMPLATES["queue"] % check_tenant_id(tenant_id)
+
+
+def request(tenant_id: str, request_id: str) -> str:
+    return _TEMPLATES["request"] % (check_tenant_id(tenant_id), check_request_id(request_id))
+
+
+def stream(tenant_id: str, request_id: str) -> str:
+    return _TEMPLATES["stream"] % (check_tenant_id(tenant_id), check_request_id(request_id))
+
+
+def budget(tenant_id: str, day: int) -> str:
+    return _TEMPLATES["budget"] % (check_tenant_id(tenant_id), day)
+
+
+def dead(tenant_id: str) -> str:
+    return _TEMPLATES["dead"] % check_tenant_id(tenant_id)
+
+
+def stats(tenant_id: str) -> str:
+    return _TEMPLATES["stats"] % check_tenant_id(tenant_id)
+
+
+def tenants() -> str:
+    return _TEMPLATES["tenants"]
+
+
+def api_key(digest_hex: str) -> str:
+    return _TEMPLATES["api_key"] % digest_hex
+
+
+def classes() -> str:
+    return _TEMPLATES["classes"]
+
+
+def ready(priority: int) -> str:
+    return _TEMPLATES["ready"] % priority
+
+
+def vtime() -> str:
+    return _TEMPLATES["vtime"]
+
+
+def leases() -> str:
+    return _TEMPLATES["leases"]
+
+
+def replicas() -> str:
+    return _TEMPLATES["replicas"]
+
+
+def replica(replica_id: str) -> str:
+    return _TEMPLATES["replica"] % replica_id
+
+
+def wake_channel() -> str:
+    return _TEMPLATES["wake"]
+
+
+def autoscaler() -> str:
+    """The autoscaler's last decision with its inputs (JSON, expires)."""
+    return _TEMPLATES["autoscaler"]
+
+
+def autoscaler_decisions() -> str:
+    """HASH: the autoscaler's decisions counted by direction (up, down, hold)."""
+    return _TEMPLATES["autoscaler_decisions"]
+
+
+def metrics_routers() -> str:
+    """SET of the routers that publish metrics snapshots."""
+    return _TEMPLATES["metrics_routers"]
+
+
+def router_metrics(holder: str) -> str:
+    """One router's metrics snapshot (JSON, expires after ``router.telemetry.metrics.SNAPSHOT_TTL_S``)."""
+    return _TEMPLATES["router_metrics"] % holder
+
+
+def lease_member(tenant_id: str, request_id: str) -> str:
+    return f"{tenant_id} {request_id}"

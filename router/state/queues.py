@@ -1,0 +1,353 @@
+"""Durable per-tenant queues in Redis: admission, grants with leases, settlement, requeue.
+
+Every transition is one Lua script (``router/state/scripts/*.lua``), so any number of routers and
+dispatchers can share one Redis: a request is admitted once per id, granted to one holder at a
+time, and ends exactly once (completed, cancelled or dead-lettered). A holder that stops
+renewing loses its lease to the reaper, and every later call it makes with that lease is
+refused (``LeaseLostError``) because the attempt number moved on.
+
+NOTE: fair share. Priority classes are strict: the grant script always serves the highest class
+with backlog. Inside a class it runs start-time fair queuing (SFQ; Goyal et al. 1996) over
+tenants, with a request's cost = prompt tokens + expected output tokens (``max_tokens`` unless
+the router knows better):
+
+- each tenant keeps a finish tag F; the class keeps a virtual time V (the start tag of the last
+  grant);
+- a tenant that gets backlogged starts at S = max(V, F), so idle time banks no credit;
+- the backlogged tenant with the smallest S is served; then F = S + cost / weight and, if more
+  is queued, its next S = F.
+
+Why SFQ and not deficit round robin: a grant is one O(log n) ZSET read (the smallest start tag)
+with no rounds to walk and no quantum to tune, and costs vary by 1000x (a 10-token chat turn
+beside a 30,000-token document): DRR needs a quantum of at least the largest cost to stay O(1)
+per grant, and with it a small tenant waits a whole large quantum of each other tenant. SFQ
+bounds each continuously backlogged tenant's service to within one largest request of its
+weighted share at every moment, and a tenant waits at most one request of every other tenant
+per unit of its own virtual time: no starvation.
+
+Costs are settled: at completion F (and S, if backlogged) moves by (actual - expected) / weight,
+so fairness ends up measured in the tokens really used. A requeued request gets its charge back
+(F -= cost / weight) and goes to the head of its tenant's queue: the failed attempt costs the
+tenant nothing. A request cancelled while queued was never charged; one cancelled while running
+is settled like a completion, by the tokens it used; a dead-lettered request keeps its last
+charge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, cast
+
+from router.config import QueueSettings
+from router.errors import (
+    MAX_TOKENS_OVER_TENANT_CAP,
+    IdempotencyKeyReusedError,
+    InvalidRequestError,
+    LeaseLostError,
+    NotFoundError,
+    PermissionDeniedError,
+    RateLimitError,
+    RequestTooLargeError,
+    RouterError,
+    StoredDataError,
+)
+from router.messages import (
+    Admission,
+    AdmitRequest,
+    CancelOutcome,
+    Grant,
+    GrantBatch,
+    Lease,
+    LeaseStatus,
+    ReapResult,
+    RequestRecord,
+    RequestState,
+    TenantBacklog,
+)
+from router.state import keys
+from router.state.scripts import Script, Scripts
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+COMPLETE_BATCH = 128  # completions per script call: long enough to amortise, short for latency
+
+_REFUSAL_MESSAGES = {
+    "disabled": "tenant is disabled",
+    "queue_full": "the tenant's queue is full",
+    "rpm": "requests-per-minute limit reached",
+    "tpm": "tokens-per-minute limit reached",
+    "daily_budget": "daily token budget used up",
+}
+
+
+class TenantQueues:
+    def __init__(self, scripts: Scripts, settings: QueueSettings | None = None) -> None:
+        self.scripts = scripts
+        self.client = scripts.client
+        self.settings = settings or QueueSettings()
+
+    # ---- admission ----
+
+    async def admit(self, request: AdmitRequest) -> Admission:
+        reply = await self.scripts.run(Script.ADMIT, *self._admit_args(request))
+        return _admission(request, reply)
+
+    async def admit_many(self, requests: list[AdmitRequest]) -> list[Admission | RouterError]:
+        """Pipelined admissions; each entry is the admission or the error that refused it."""
+        replies = await self.scripts.run_many(Script.ADMIT, [self._admit_args(r) for r in requests])
+        results: list[Admission | RouterError] = []
+        for request, reply in zip(requests, replies, strict=True):
+            try:
+                results.append(_admission(request, reply))
+            except RouterError as exc:
+                results.append(exc)
+        return results
+
+    def _admit_args(self, request: AdmitRequest) -> tuple[Any, ...]:
+        keys.check_tenant_id(request.tenant_id)
+        keys.check_request_id(request.request_id)
+        expected = request.max_tokens if request.expected_output_tokens is None else (
+            request.expected_output_tokens)
+        for name, value, low in (("prompt_tokens", request.prompt_tokens, 0),
+                                 ("max_tokens", request.max_tokens, 1),
+                                 ("expected_output_tokens", expected, 0),
+                                 ("num_choices", request.num_choices, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise InvalidRequestError(f"{name} must be an integer >= {low}, got {value!r}",
+                                          param=name)
+        if len(request.body.encode()) > MAX_BODY_BYTES:
+            raise RequestTooLargeError(f"request body over {MAX_BODY_BYTES} bytes", param="body")
+        return (request.tenant_id, request.request_id, request.prompt_tokens, request.max_tokens,
+                expected, request.body, request.meta, self.settings.queue_full_retry_after_ms,
+                request.num_choices)
+
+    # ---- grants and leases ----
+
+    async def grant(self, holder: str, free_slots: int, max_grants: int | None = None,
+                    capacity: int | None = None) -> GrantBatch:
+        """Up to ``min(free_slots, max_grants)`` requests, each leased to ``holder``; with
+        ``capacity`` (the slots of all replicas) also no more than ``capacity`` minus the leases
+        live in the whole cluster, counted atomically with the grant."""
+        if free_slots <= 0:
+            return GrantBatch([], [])
+        limit = max_grants or self.settings.max_grants_per_call
+        reply = await self.scripts.run(Script.GRANT, holder, self.settings.lease_ms, free_slots,
+                                       limit, "" if capacity is None else capacity)
+        grants = [_grant(holder, g) for g in reply[0]]
+        warnings = [w.decode() for w in reply[1]]
+        if warnings:
+            logger.warning("grant skipped or read leniently malformed data: %s", warnings)
+        return GrantBatch(grants, warnings)
+
+    async def renew(self, lease: Lease) -> LeaseStatus:
+        reply = await self.scripts.run(Script.RENEW, *_lease_args(lease), self.settings.lease_ms)
+        _check_lease(lease, reply)
+        return LeaseStatus(int(reply[1]), bool(int(reply[2])))
+
+    async def complete(
+        self,
+        lease: Lease,
+        prompt_tokens_used: int,
+        output_tokens_used: int,
+        finish_reason: str,
+        final_event: str = "{}",
+        outcome: RequestState = RequestState.COMPLETED,
+    ) -> int:
+        """Acknowledge and settle; returns the tokens refunded (negative: charged beyond the
+        reservation). ``final_event`` is the data of the stream's terminal ``end`` event."""
+        args = self._complete_args(lease, prompt_tokens_used, output_tokens_used, finish_reason,
+                                   final_event, outcome)
+        (reply,) = await self.scripts.run(Script.COMPLETE, 1, *args)
+        _check_lease(lease, reply)
+        return int(reply[1])
+
+    async def complete_many(self, calls: list[tuple[Lease, int, int, str]]) -> list[int | None]:
+        """Completions of (lease, prompt used, output used, finish reason), one script call per
+        ``COMPLETE_BATCH``; the refund of each, or None where the lease was lost."""
+        refunds: list[int | None] = []
+        for start in range(0, len(calls), COMPLETE_BATCH):
+            chunk = calls[start:start + COMPLETE_BATCH]
+            args = [a for c in chunk
+                    for a in self._complete_args(*c, "{}", RequestState.COMPLETED)]
+            replies = await self.scripts.run(Script.COMPLETE, len(chunk), *args)
+            refunds += [int(r[1]) if r[0] == b"ok" else None for r in replies]
+        return refunds
+
+    @staticmethod
+    def _complete_args(lease: Lease, prompt_used: int, output_used: int, finish_reason: str,
+                       final_event: str, outcome: RequestState) -> tuple[Any, ...]:
+        if outcome not in (RequestState.COMPLETED, RequestState.CANCELLED):
+            raise ValueError(f"a holder completes as completed or cancelled, not {outcome}")
+        return (*_lease_args(lease), outcome.value, int(prompt_used), int(output_used),
+                finish_reason, final_event)
+
+    async def requeue(self, lease: Lease, reason: str) -> RequestState:
+        """Give the request back: head of its tenant's queue, or dead past max_deliveries."""
+        reply = await self.scripts.run(Script.REQUEUE, *_lease_args(lease),
+                                       self.settings.max_deliveries, reason)
+        _check_lease(lease, reply)
+        return RequestState(reply[0].decode())
+
+    async def reap(self) -> ReapResult:
+        reply = await self.scripts.run(Script.REAP, self.settings.max_deliveries,
+                                       self.settings.reap_batch)
+        return ReapResult(*(int(n) for n in reply))
+
+    # ---- readers: detached requests are cancelled after a grace period ----
+
+    async def attach(self, tenant_id: str, request_id: str) -> None:
+        """A client reads the request's stream: it is not detached (any more)."""
+        await self._readers(tenant_id, request_id, "attach", 0)
+
+    async def detach(self, tenant_id: str, request_id: str, grace_ms: int) -> None:
+        """A client went away; with no reader left the request is cancelled in ``grace_ms``
+        unless one comes back (``attach``)."""
+        deadline = int(time.time() * 1000) + grace_ms
+        await self._readers(tenant_id, request_id, "detach", deadline)
+
+    async def _readers(self, tenant_id: str, request_id: str, mode: str, deadline_ms: int) -> None:
+        reply = await self.scripts.run(Script.READERS, keys.check_tenant_id(tenant_id),
+                                       keys.check_request_id(request_id), mode, deadline_ms)
+        if reply[0] == b"missing":
+            raise NotFoundError(f"no request {request_id!r}", param="request_id")
+
+    async def reap_detached(self, limit: int = 100) -> int:
+        """Cancel the detached requests whose grace has run out; returns how many."""
+        now_ms = int(time.time() * 1000)
+        members = cast(list[bytes], await self.client.zrangebyscore(
+            keys.detached(), "-inf", now_ms, start=0, num=limit))
+        num_cancelled = 0
+        for member in members:
+            if not await self.client.zrem(keys.detached(), member):
+                continue  # a reader came back, or another dispatcher took it
+            tenant_id, _, request_id = member.decode().partition(" ")
+            with contextlib.suppress(NotFoundError):
+                await self.cancel(tenant_id, request_id, "detached")
+                num_cancelled += 1
+        return num_cancelled
+
+    # ---- cancellation and inspection ----
+
+    async def cancel(self, tenant_id: str, request_id: str, reason: str = "client") -> CancelOutcome:
+        reply = await self.scripts.run(Script.CANCEL, keys.check_tenant_id(tenant_id),
+                                       keys.check_request_id(request_id), reason)
+        if reply[0] == b"missing":
+            raise NotFoundError(f"no request {request_id!r}", param="request_id")
+        return CancelOutcome(reply[0].decode())
+
+    async def get(self, tenant_id: str, request_id: str) -> RequestRecord:
+        fields = cast(dict[bytes, bytes],
+                      await self.client.hgetall(keys.request(tenant_id, request_id)))
+        if not fields:
+            raise NotFoundError(f"no request {request_id!r}", param="request_id")
+        return _record(tenant_id, request_id, fields)
+
+    async def queued_ids(self, tenant_id: str) -> list[str]:
+        ids = cast(list[bytes], await self.client.lrange(keys.queue(tenant_id), 0, -1))
+        return [m.decode() for m in ids]
+
+    async def depth(self, tenant_id: str) -> int:
+        return int(await self.client.llen(keys.queue(tenant_id)))
+
+    async def num_leased(self) -> int:
+        return int(await self.client.zcard(keys.leases()))
+
+    async def backlog(self) -> list[TenantBacklog]:
+        """Per tenant: queued requests and their token cost, and leased (running) requests."""
+        rows = await self.scripts.run(Script.BACKLOG)
+        return [TenantBacklog(r[0].decode(), int(r[1]), int(r[2]), int(r[3]), int(r[4]))
+                for r in rows]
+
+
+def _lease_args(lease: Lease) -> tuple[str, str, str, str]:
+    return (keys.check_tenant_id(lease.tenant_id), keys.check_request_id(lease.request_id),
+            lease.holder, str(lease.attempt))
+
+
+def _check_lease(lease: Lease, reply: list[Any]) -> None:
+    if reply[0] == b"stale":
+        raise LeaseLostError(
+            f"lease on {lease.request_id!r} (attempt {lease.attempt}) is no longer held by "
+            f"{lease.holder!r}: the request is {reply[1].decode()}",
+            param="request_id",
+        )
+
+
+def _admission(request: AdmitRequest, reply: list[Any]) -> Admission:
+    verdict = reply[0].decode()
+    if verdict == "admitted":
+        return Admission(request.request_id, RequestState.QUEUED, False, int(reply[1]))
+    if verdict == "duplicate":
+        return Admission(request.request_id, RequestState(reply[1].decode()), True, None)
+    if verdict == "conflict":
+        raise IdempotencyKeyReusedError(
+            f"request id {request.request_id!r} (an Idempotency-Key) was already used for a "
+            "different request", param="Idempotency-Key",
+        )
+    reason = reply[1].decode()
+    if verdict == "too_large":
+        limit = int(reply[2])
+        if reason == "max_tokens":
+            raise InvalidRequestError(
+                f"max_tokens {request.max_tokens} exceeds this tenant's cap of {limit}",
+                param="max_tokens", code=MAX_TOKENS_OVER_TENANT_CAP,
+            )
+        raise RequestTooLargeError(
+            f"prompt + max_tokens = {request.prompt_tokens + request.max_tokens} tokens exceeds "
+            f"the tenant's {reason} limit of {limit}",
+            param="max_tokens",
+        )
+    if reason == "disabled":
+        raise PermissionDeniedError("tenant is disabled", param="tenant")
+    retry_after_s = int(reply[2]) / 1000
+    raise RateLimitError(f"{_REFUSAL_MESSAGES[reason]}; retry after {retry_after_s:.3f} s",
+                         reason, retry_after_s)
+
+
+def _grant(holder: str, g: list[Any]) -> Grant:
+    tenant_id, request_id = g[0].decode(), g[1].decode()
+    return Grant(
+        lease=Lease(tenant_id, request_id, holder, int(g[2])),
+        lease_deadline_ms=int(g[3]),
+        body=(g[4] or b"").decode(),
+        meta=(g[5] or b"").decode(),
+        prompt_tokens=int(g[6]),
+        max_tokens=int(g[7]),
+        created_ms=int(g[8]),
+        grant_seq=int(g[9]),
+        priority=int(g[10]),
+        admit_depth=int(g[11]),
+    )
+
+
+def _record(tenant_id: str, request_id: str, raw: dict[bytes, bytes]) -> RequestRecord:
+    f = {k.decode(): v.decode() for k, v in raw.items()}
+
+    def opt_int(name: str) -> int | None:
+        return int(f[name]) if f.get(name) else None
+
+    try:
+        return RequestRecord(
+            tenant_id=tenant_id,
+            request_id=request_id,
+            state=RequestState(f["state"]),
+            prompt_tokens=int(f["prompt_tokens"]),
+            max_tokens=int(f["max_tokens"]),
+            reserved_tokens=int(f["reserved"]),
+            deliveries=int(f["deliveries"]),
+            created_ms=int(f["created_ms"]),
+            is_cancel_requested=f.get("cancel") == "1",
+            holder=f.get("holder") or None,
+            lease_deadline_ms=opt_int("lease_deadline"),
+            prompt_tokens_used=opt_int("prompt_tokens_used"),
+            output_tokens_used=opt_int("output_tokens_used"),
+            finish_reason=f.get("finish_reason") or None,
+            end_reason=f.get("end_reason") or None,
+        )
+    except (KeyError, ValueError) as exc:
+        raise StoredDataError(
+            f"malformed request record {keys.request(tenant_id, request_id)}: {exc}"
+        ) from None

@@ -1,0 +1,225 @@
+-- fairserve Lua library: router/state/scripts.py puts this in front of every script.
+--
+-- Before this file router/state/scripts.py puts `local K = {...}`: the key templates of router/state/keys.py
+-- (the only place key names are spelled) and the TTLs and limits, as string constants of the
+-- source (Redis formats a number argument with snprintf; a string goes out as it is), and
+-- `local KP = {...}`: each template split at its `%s` placeholders, for key() below.
+-- ARGV[1] is the clock in ms, or "" for the server's own TIME. A script's own arguments start
+-- at ARGV[2].
+--
+-- Errors are raised with redis.error_reply before a script writes anything (Redis does not roll
+-- a script back): "FSNOTFOUND <what>", "FSSTORED <key> <field>" (malformed stored data),
+-- "FSINVALID <param> <message>".
+
+if redis.replicate_commands then redis.replicate_commands() end
+
+-- fs:{t}:req:<id> is key('request', t, id): the template's parts joined around the arguments.
+local function key(name, a, b)
+  local p = KP[name]
+  if b then return p[1] .. a .. p[2] .. b .. p[3] end
+  if a then return p[1] .. a .. p[2] end
+  return K[name]
+end
+
+-- One instant per call: a script runs atomically, so everything in it happens "now".
+local NOW_MS
+local function clock_ms()
+  if NOW_MS then return NOW_MS end
+  if ARGV[1] ~= '' then
+    NOW_MS = tonumber(ARGV[1])
+  else
+    local t = redis.call('TIME')
+    NOW_MS = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return NOW_MS
+end
+
+local function fmt(x) return string.format('%.17g', x) end
+
+local TENANT_FIELDS = {'weight', 'priority', 'rpm', 'tpm', 'daily_tokens', 'max_tokens',
+                       'max_queued', 'disabled'}
+
+-- The tenant's settings as numbers; nil where unlimited. strict: malformed data raises (before
+-- any write); lenient (the grant path, which must not stall every tenant for one): malformed
+-- fields fall back to weight 1, priority 0, and the field's name is returned in `bad`.
+local function load_tenant(t, strict)
+  local tk = key('tenant', t)
+  local v = redis.call('HMGET', tk, unpack(TENANT_FIELDS))
+  local found = false
+  for i = 1, #TENANT_FIELDS do if v[i] then found = true end end
+  if not found then
+    if strict then return nil, redis.error_reply('FSNOTFOUND tenant ' .. t) end
+    return {weight = 1, priority = 0, disabled = false, bad = 'missing'}
+  end
+  if v[8] and v[8] ~= '0' and v[8] ~= '1' then
+    if strict then return nil, redis.error_reply('FSSTORED ' .. tk .. ' disabled') end
+  end
+  -- anything but '0' refuses: a malformed flag fails closed
+  local s = {disabled = (v[8] or '0') ~= '0'}
+  for i = 1, 7 do
+    local name = TENANT_FIELDS[i]
+    if v[i] then
+      local n = tonumber(v[i])
+      local ok = n ~= nil and n == n and n >= 0
+      if ok and (name == 'weight') then ok = n > 0 end
+      if ok and name ~= 'weight' then ok = n == math.floor(n) end
+      if ok and name == 'priority' then ok = n <= 9 end
+      if not ok then
+        if strict then return nil, redis.error_reply('FSSTORED ' .. tk .. ' ' .. name) end
+        s.bad = name
+      else
+        s[name] = n
+      end
+    end
+  end
+  s.weight = s.weight or 1
+  s.priority = s.priority or 0
+  return s
+end
+
+local function stat(t, name, by) redis.call('HINCRBY', key('stats', t), name, by or 1) end
+
+-- Counters gathered over a batch, written once per tenant and name at the end.
+local function count(counts, t, name, by)
+  counts[t] = counts[t] or {}
+  counts[t][name] = (counts[t][name] or 0) + (by or 1)
+end
+
+local function flush_counts(counts)
+  for t, names in pairs(counts) do
+    for name, by in pairs(names) do
+      if by ~= 0 then stat(t, name, by) end
+    end
+  end
+end
+
+-- ---- fair share (start-time fair queuing per priority class; see the NOTE in router/state/queues.py) ----
+
+local function vtime(class) return tonumber(redis.call('HGET', K.vtime, class) or '0') end
+
+local function finish_tag(t) return tonumber(redis.call('HGET', key('state', t), 'vfinish') or '0') end
+
+-- The tenant has work queued: give it a start tag if it has none (max of virtual time and its
+-- own finish tag, so idle time never banks credit). A finish tag from another class is on that
+-- class's clock: it carries nothing over.
+local function mark_ready(t, class)
+  local ready = key('ready', class)
+  if redis.call('ZSCORE', ready, t) then return end
+  local st = redis.call('HMGET', key('state', t), 'vfinish', 'vclass')
+  local start = vtime(class)
+  if st[2] == tostring(class) then start = math.max(start, tonumber(st[1]) or 0) end
+  redis.call('ZADD', ready, fmt(start), t)
+  redis.call('ZADD', K.classes, class, class)
+end
+
+-- A tenant with backlog changes priority class: it keeps its lag behind the old class's
+-- virtual time (its place in line), measured on the new class's clock.
+local function move_class(t, old, new)
+  local start = redis.call('ZSCORE', key('ready', old), t)
+  if not start then return end
+  redis.call('ZREM', key('ready', old), t)
+  if redis.call('ZCARD', key('ready', old)) == 0 then redis.call('ZREM', K.classes, old) end
+  local moved = vtime(new) + math.max(0, tonumber(start) - vtime(old))
+  redis.call('HSET', key('state', t), 'vfinish', fmt(moved), 'vclass', new)
+  redis.call('ZADD', key('ready', new), fmt(moved), t)
+  redis.call('ZADD', K.classes, new, new)
+end
+
+-- After a request left the tenant's queue: drop the tenant from its class when nothing is left.
+local function settle_ready(t, class)
+  if redis.call('LLEN', key('queue', t)) > 0 then return end
+  local ready = key('ready', class)
+  redis.call('ZREM', ready, t)
+  if redis.call('ZCARD', ready) == 0 then redis.call('ZREM', K.classes, class) end
+end
+
+-- Move the tenant's tags by delta (virtual time): a refund of a failed attempt's charge, or the
+-- correction from expected to actual tokens at completion.
+local function shift_tags(t, class, delta)
+  if delta == 0 then return end
+  local st = key('state', t)
+  redis.call('HSET', st, 'vfinish', fmt(finish_tag(t) + delta))
+  local ready = key('ready', class)
+  local start = redis.call('ZSCORE', ready, t)
+  if start then redis.call('ZADD', ready, fmt(math.max(vtime(class), tonumber(start) + delta)), t) end
+end
+
+-- ---- quotas ----
+
+local DAY_MS = 86400000
+
+-- Move the reservation of a request to `actual` tokens: the daily budget of the day it was
+-- reserved and the TPM limiter get back (or pay) the difference. Returns reserved - actual.
+local function settle_tokens(t, tenant, reserved, day, actual)
+  local diff = actual - reserved
+  if diff ~= 0 then
+    local bk = key('budget', t, day)
+    -- today's counter exists (admission made it); an older one may have expired: never
+    -- recreate it without its TTL
+    if tonumber(day) == math.floor(clock_ms() / DAY_MS) or redis.call('EXISTS', bk) == 1 then
+      redis.call('INCRBY', bk, diff)
+    end
+    if tenant.tpm then
+      redis.call('HINCRBYFLOAT', key('state', t), 'tpm_tat', fmt(diff * 60000 / tenant.tpm))
+    end
+  end
+  return -diff
+end
+
+-- ---- request ends ----
+
+local function end_stream(t, rid, event, data, ttl_s)
+  local sk = key('stream', t, rid)
+  redis.call('XADD', sk, 'MAXLEN', '~', K.stream_max_events, '*', 'type', event, 'data', data)
+  redis.call('EXPIRE', sk, ttl_s)
+end
+
+-- Ends a request that is not coming back: dead-lettered, or cancelled while queued. The whole
+-- reservation is refunded; the stream gets its terminal event.
+local function end_unserved(t, rid, tenant, r, new_state, reason, now)
+  local rk = key('request', t, rid)
+  settle_tokens(t, tenant, tonumber(r.reserved), r.day, 0)
+  redis.call('HSET', rk, 'state', new_state, 'finished_ms', now, 'end_reason', reason,
+             'holder', '', 'lease_deadline', '')
+  redis.call('EXPIRE', rk, K.result_ttl_s)
+  if new_state == 'dead' then
+    local dk = key('dead', t)
+    redis.call('ZADD', dk, now, rid)
+    redis.call('EXPIRE', dk, K.dead_ttl_s)
+  end
+  end_stream(t, rid, new_state == 'dead' and 'error' or 'end',
+             cjson.encode({outcome = new_state, reason = reason}), K.stream_ended_ttl_s)
+  stat(t, new_state)
+end
+
+local REQUEST_FIELDS = {'state', 'holder', 'deliveries', 'cost', 'reserved', 'day', 'cancel'}
+
+local function load_request(t, rid)
+  local v = redis.call('HMGET', key('request', t, rid), unpack(REQUEST_FIELDS))
+  if not v[1] then return nil end
+  local r = {}
+  for i = 1, #REQUEST_FIELDS do r[REQUEST_FIELDS[i]] = v[i] end
+  return r
+end
+
+-- The caller must hold the request's current lease (holder and attempt), else it is stale.
+local function lease_ok(r, holder, attempt)
+  return r ~= nil and r.state == 'leased' and r.holder == holder and r.deliveries == attempt
+end
+
+-- Back to the head of its tenant's queue with its fairness credit, or dead past the limit.
+local function requeue(t, rid, r, reason, max_deliveries, now)
+  redis.call('ZREM', K.leases, t .. ' ' .. rid)
+  local tenant = load_tenant(t, false)
+  if tonumber(r.deliveries) >= max_deliveries then
+    end_unserved(t, rid, tenant, r, 'dead', reason, now)
+    return 'dead'
+  end
+  redis.call('HSET', key('request', t, rid), 'state', 'queued', 'holder', '', 'lease_deadline', '',
+             'requeued_ms', now, 'requeue_reason', reason)
+  redis.call('LPUSH', key('queue', t), rid)
+  shift_tags(t, tenant.priority, -tonumber(r.cost) / tenant.weight)
+  mark_ready(t, tenant.priority)
+  stat(t, 'requeued')
+  return 'queued'
+end

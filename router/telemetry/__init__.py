@@ -1,0 +1,1 @@
+"""Telemetry: Prometheus metrics, OpenTelemetry spans, and each request's timings."""

@@ -1,0 +1,130 @@
+"""The stream multiplexer: hundreds of waiting readers on a small pool, new readers served at
+once (no block timeout), several readers of one stream at their own positions."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from router.dispatch.stream_mux import READ_BLOCK_MS, StreamMux
+from router.dispatch.streams import AppendBatcher, Event
+from router.errors import LeaseLostError
+from router.messages import Grant, Lease, LeaseStatus
+from router.state import keys
+from router.state.redis_client import connect
+from router.state.tenants import Tenant
+from tests.router.factories import add_tenants, harness, make_request, run
+
+NUM_WAITERS = 300
+POOL = 8
+
+
+async def _grants(h, n: int) -> list[Grant]:
+    await add_tenants(h, Tenant(id="acme", max_queued=10_000))
+    await h.queues.admit_many([make_request("acme", f"r{i}") for i in range(n)])
+    grants: list[Grant] = []
+    while len(grants) < n:
+        grants += (await h.queues.grant("d", n, max_grants=500)).grants
+    return grants
+
+
+def test_hundreds_of_readers_share_one_blocking_connection(redis_url) -> None:
+    async def scenario() -> None:
+        async with harness(redis_url) as h:
+            grants = await _grants(h, NUM_WAITERS)
+            client = connect(redis_url, max_connections=POOL)
+            mux = StreamMux(client)
+            mux.start()
+            try:
+                async def reader(rid: str) -> list[str]:
+                    return [e.data async for e in mux.read("acme", rid)]
+
+                readers = [asyncio.create_task(reader(g.request_id)) for g in grants]
+                await asyncio.sleep(0.2)
+                for g in grants:
+                    await h.streams.append(g.lease, [Event("chunk", f"hello {g.request_id}")])
+                await h.queues.complete_many([(g.lease, 10, 1, "stop") for g in grants])
+                results = await asyncio.wait_for(asyncio.gather(*readers), 30)
+                assert results == [[f"hello {g.request_id}", "{}"] for g in grants]
+            finally:
+                await mux.stop()
+                await client.aclose()
+
+    run(scenario())
+
+
+def test_a_new_reader_does_not_wait_for_the_blocked_read(redis_url) -> None:
+    async def scenario() -> None:
+        async with harness(redis_url) as h:
+            first, second = await _grants(h, 2)
+            client = connect(redis_url, max_connections=POOL)
+            mux = StreamMux(client)
+            mux.start()
+            try:
+                idle_reader = mux.read("acme", first.request_id)
+                idle = asyncio.create_task(anext(idle_reader))
+                await asyncio.sleep(0.3)  # the mux is now blocked on the first stream only
+                await h.streams.append(second.lease, [Event("chunk", "now")])
+                started = time.monotonic()
+                reader = mux.read("acme", second.request_id)
+                event = await anext(reader)
+                waited_ms = (time.monotonic() - started) * 1000
+                assert event.data == "now"
+                assert waited_ms < READ_BLOCK_MS / 2, waited_ms
+                idle.cancel()
+                await reader.aclose()
+            finally:
+                await mux.stop()
+                await client.aclose()
+
+    run(scenario())
+
+
+def test_two_readers_of_one_stream_each_get_every_event_once(redis_url) -> None:
+    async def scenario() -> None:
+        async with harness(redis_url) as h:
+            (grant,) = await _grants(h, 1)
+            client = connect(redis_url, max_connections=POOL)
+            mux = StreamMux(client)
+            mux.start()
+            try:
+                await h.streams.append(grant.lease, [Event("chunk", "a"), Event("chunk", "b")])
+                early = mux.read("acme", grant.request_id)
+                seen_early = [(await anext(early)).data, (await anext(early)).data]
+                late = asyncio.create_task(_collect(mux, grant.request_id))
+                await h.streams.append(grant.lease, [Event("chunk", "c")])
+                await h.queues.complete(grant.lease, 10, 3, "stop")
+                seen_early += [e.data async for e in early]
+                assert seen_early == ["a", "b", "c", "{}"]
+                assert await asyncio.wait_for(late, 10) == ["a", "b", "c", "{}"]
+            finally:
+                await mux.stop()
+                await client.aclose()
+
+    run(scenario())
+
+
+async def _collect(mux: StreamMux, rid: str) -> list[str]:
+    return [e.data async for e in mux.read("acme", rid)]
+
+
+def test_concurrent_appends_share_a_script_call_and_a_stale_one_fails_alone(redis_url) -> None:
+    async def scenario() -> None:
+        async with harness(redis_url) as h:
+            grants = await _grants(h, 20)
+            batcher = AppendBatcher(h.streams)
+            stale = Lease("acme", grants[0].request_id, "d", grants[0].lease.attempt + 1)
+            before = (await h.client.info("commandstats"))["cmdstat_evalsha"]["calls"]
+            results = await asyncio.gather(
+                batcher.append(stale, [Event("chunk", "dup")]),
+                *(batcher.append(g.lease, [Event("chunk", g.request_id)]) for g in grants),
+                return_exceptions=True)
+            calls = (await h.client.info("commandstats"))["cmdstat_evalsha"]["calls"] - before
+            assert isinstance(results[0], LeaseLostError)
+            assert all(isinstance(r, LeaseStatus) for r in results[1:])
+            assert calls == 1
+            for g in grants:
+                events = await h.client.xrange(keys.stream("acme", g.request_id))
+                assert [e[1][b"data"].decode() for e in events] == [g.request_id]
+
+    run(scenario())
