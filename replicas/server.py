@@ -20,8 +20,8 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from replicas.engine.async_engine import TorchEngine
 from replicas.engine.config import EngineConfig
+from replicas.engine.factory import make_engine
 from replicas.engine.interface import ChoiceResume, Chunk, Engine, GenerateRequest
 from replicas.engine.sampling_params import GuideKind, SamplingParams, StructuredOutput
 from replicas.load_report import LoadReporter
@@ -53,7 +53,7 @@ class ModelReplica:
     async def __init__(self, options: ReplicaOptions,  # type: ignore[misc]  # Ray Serve awaits it
                        engine_factory: EngineFactory | None = None) -> None:
         self.options = options
-        self.engine: Engine = (engine_factory or TorchEngine)(options.engine)
+        self.engine: Engine = (engine_factory or make_engine)(options.engine)
         await self.engine.start()
         self.replica_id = _replica_id()
         self.tracing = configure_tracing("fairserve-replica")
@@ -128,6 +128,7 @@ class ModelReplica:
             output_tokens_per_s=self._throughput(),
             reported_ms=int(time.time() * 1000),
             num_steps=load.num_steps,
+            compute=load.compute,
         )
 
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from replicas.engine import device_choice, kv_budget
 from replicas.engine.block_manager import BlockManager
 from replicas.engine.config import EngineConfig
 from replicas.engine.errors import InvalidRequestError
@@ -65,16 +66,17 @@ class EngineCore:
         source = source or load_model_source(config.model, cache_dir=config.model_cache_dir)
         self.model_config = source.config
         self.tokenizer: Tokenizer = source.tokenizer
-        self.device = torch.device(config.device)
-        self.dtype = TORCH_DTYPES[config.dtype.value]
+        self.compute = device_choice.choose(config)
+        self.device = self.compute.device
+        self.dtype = TORCH_DTYPES[self.compute.dtype.value]
         model_max = source.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_max, model_max)
-        self.cache_shape = self._cache_shape()
         model = LlamaForCausalLM(source.config, max_positions=self.max_model_len)
         model.load_weights(source.weights())
         model.to(device=self.device, dtype=self.dtype).eval()
         if can_pack(self.device, self.dtype):
-            model.pack_for_cpu(batch_hint=config.max_num_seqs)
+            model.pack_for_cpu()
+        self.cache_shape = self._cache_shape()  # after the weights: a GPU's budget is what is left
         self.runner = ModelRunner(model, self.cache_shape, self.device, self.dtype)
         self.block_manager = BlockManager(
             self.cache_shape.num_blocks, config.block_size, config.enable_prefix_caching
@@ -90,19 +92,28 @@ class EngineCore:
         self._families: dict[str, _Family] = {}  # by request id
         self._num_steps = 0
         logger.info(
-            "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
-            config.model, self.cache_shape.num_blocks, config.block_size, self.max_model_len,
+            "engine ready: %s on %s in %s, %d KV blocks of %d tokens, max_model_len %d",
+            config.model, self.device, self.compute.dtype.value, self.cache_shape.num_blocks,
+            config.block_size, self.max_model_len,
         )
 
     def _cache_shape(self) -> CacheShape:
         cfg = self.model_config
         per_block = CacheShape.bytes_per_block(cfg, self.config.block_size, self.dtype)
-        num_blocks = self.config.num_kv_blocks or self.config.kv_cache_bytes // per_block
+        budget = kv_budget.kv_cache_bytes(self.config, self.device, cfg, self.dtype)
+        num_blocks = self.config.num_kv_blocks or budget // per_block
         if num_blocks < 2:
             raise ValueError(
-                f"kv_cache_bytes ({self.config.kv_cache_bytes}) buys {num_blocks} KV blocks of "
+                f"the KV budget ({budget} bytes) buys {num_blocks} KV blocks of "
                 f"{per_block} bytes; at least 2 are needed"
             )
+        if self.config.kv_cache_bytes is None and self.device.type == "cuda" \
+                and num_blocks * self.config.block_size < self.max_model_len:
+            # the router assumes a GPU replica holds one whole context (replicas/model_info.py)
+            raise ValueError(
+                f"the GPU's KV budget holds {num_blocks * self.config.block_size} tokens, fewer "
+                f"than max_model_len ({self.max_model_len}); lower max_model_len or raise "
+                "gpu_memory_utilization")
         return CacheShape(num_blocks, self.config.block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
 
     # ---- admission -------------------------------------------------------------------------
@@ -282,6 +293,7 @@ class EngineCore:
             num_total_kv_blocks=self.block_manager.num_total_blocks,
             num_free_slots=max(0, self.config.max_num_seqs - running - waiting),
             num_steps=self._num_steps,
+            compute=f"torch {self.device} {self.compute.dtype.value}",
         )
 
 

@@ -129,6 +129,7 @@ class LoadSnapshot:
     num_total_kv_blocks: int
     num_free_slots: int  # how many more requests it would start now (max_num_seqs - running - waiting)
     num_steps: int = 0  # steps taken since start: a stuck step loop stops counting
+    compute: str = ""  # what it runs: "torch cpu bfloat16", "vllm cuda:0 bfloat16", ...
 
     @property
     def kv_usage(self) -> float:

@@ -34,6 +34,7 @@ class ReplicaLoad:
     output_tokens_per_s: float
     reported_ms: int
     num_steps: int = 0  # the engine's steps so far: a hung engine stops counting
+    compute: str = ""  # the engine, device and dtype ("torch cpu bfloat16")
 
     @property
     def is_busy(self) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replicas.engine.config import EngineConfig, default_model_path
+from replicas.engine.config import DType, EngineConfig, default_model_path
 from replicas.engine.engine_core import EngineCore
 from replicas.engine.interface import Chunk, GenerateRequest
 from replicas.engine.loader import ModelSource, load_model_source
@@ -81,7 +81,9 @@ def references(source: ModelSource, prompt_ids: list[list[int]]) -> list[Referen
 
 
 def _engine(source: ModelSource, **overrides) -> EngineCore:
-    config = EngineConfig(max_num_batched_tokens=CHUNK_TOKENS, max_num_seqs=16, **overrides)
+    # float32: the parity with transformers is the float32 path's test
+    config = EngineConfig(max_num_batched_tokens=CHUNK_TOKENS, max_num_seqs=16,
+                          dtype=DType.FLOAT32, **overrides)
     return EngineCore(config, source=source)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from replicas.engine.config import EngineConfig, default_model_path
+from replicas.engine.config import DType, EngineConfig, default_model_path
 from replicas.engine.engine_core import EngineCore
 from replicas.engine.interface import GenerateRequest
 from replicas.engine.loader import ModelSource, load_model_source
@@ -85,7 +85,7 @@ def engine_tokens(core: EngineCore, prompts: list[list[int]], penalties: dict[st
 def test_penalised_greedy_output_equals_transformers_and_differs_from_plain(
         source, prompts) -> None:
     model = hf_reference_model(source)
-    core = EngineCore(EngineConfig(max_num_seqs=8), source=source)
+    core = EngineCore(EngineConfig(max_num_seqs=8, dtype=DType.FLOAT32), source=source)
     plain = engine_tokens(core, prompts, {}, "plain")
     for case, penalties in CASES.items():
         got = engine_tokens(core, prompts, penalties, case)
