@@ -6,6 +6,8 @@
 #   make bench-tracing  the cluster's throughput with tracing at full sampling and without
 #   make bench-autoscale  backlog rise -> new replica serving, replicas from the prepared model
 #                         copy and from the GGUF file
+#   make bench-peer  llama.cpp's llama-server (built from the llama-cpp-python sdist), the engine
+#                    alone and the cluster, one streaming workload, one run
 #   make image       build the CPU container image localhost/fairserve-cpu:<version> (root)
 #   make test-image  build it and serve from inside it (tests/deploy/test_image.py; minutes)
 #   make helm-values regenerate the Helm chart's values.yaml and values.schema.json
@@ -17,7 +19,7 @@ STAMP  := $(VENV)/.installed-stamp
 CHECKOV := .venv-checkov/bin/checkov
 PYTEST_ARGS ?=
 
-.PHONY: install up test test-fast helm-values image test-image image-tools bench bench-cluster bench-tracing bench-autoscale lint clean
+.PHONY: install up test test-fast helm-values image test-image image-tools bench bench-cluster bench-tracing bench-autoscale bench-peer lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -61,6 +63,9 @@ helm-values: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m replicas.engine.bench
+
+bench-peer: $(STAMP)
+	$(PY) -m cluster.benchmarks.peer_bench
 
 bench-cluster: $(STAMP)
 	$(PY) -m cluster.benchmarks.cluster_bench

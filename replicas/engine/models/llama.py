@@ -186,13 +186,13 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden)
         return F.linear(hidden, self.embed_tokens.weight)
 
-    def pack_for_cpu(self, batch_hint: int) -> None:
+    def pack_for_cpu(self) -> None:
         """Swap every projection (and the vocabulary head) for oneDNN-packed ones."""
         if self.lm_head is None:  # tied: the head gets its own packed copy of the embedding
             self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False,
                                      device="meta")
             self.lm_head.weight = self.embed_tokens.weight
-        pack_linears(self, batch_hint)
+        pack_linears(self)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
