@@ -1,8 +1,8 @@
 """The peer of the CPU benchmark: llama.cpp's ``llama-server``, built from the llama.cpp that
 the ``llama-cpp-python`` sdist vendors, and run on the same GGUF file.
 
-The build (cmake, CPU only, ``GGML_NATIVE`` so it uses this machine's AVX-512/AMX like our
-engine does) is cached under ``$FAIRSERVE_CACHE_DIR/peer`` (else ``~/.cache/fairserve/peer``):
+The build (cmake, CPU only, with the AVX2 / AVX-512 / AVX-512 BF16 / VNNI kernels this CPU's
+flags name, as our engine uses them) is cached under ``$FAIRSERVE_CACHE_DIR/peer`` (else ``~/.cache/fairserve/peer``):
 minutes the first time, nothing after. Where it cannot be built (no compiler, no cmake, no
 registry to fetch the sdist from), ``build`` returns ``None`` with the reason: the benchmark
 then runs without the peer and says so; it never stands anything else in for it.
@@ -22,6 +22,8 @@ from typing import IO
 
 import httpx
 
+from replicas.engine.device_choice import cpu_flags
+
 SDIST = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"
 READY_TIMEOUT_S = 120.0
@@ -40,7 +42,7 @@ def cache_dir() -> Path:
 
 def build(log: Path | None = None) -> Built:
     """``llama-server`` of llama-cpp-python ``SDIST_VERSION``'s vendored llama.cpp."""
-    home = cache_dir() / f"llama-cpp-{SDIST_VERSION}"
+    home = cache_dir() / f"llama-cpp-{SDIST_VERSION}-noamx"
     binary = home / "build" / "bin" / "llama-server"
     if binary.is_file():
         return Built(binary, f"cached build of {SDIST} {SDIST_VERSION}'s llama.cpp")
@@ -55,9 +57,9 @@ def build(log: Path | None = None) -> Built:
             return Built(None, f"cannot build llama-server: pip could not fetch the {SDIST} "
                                f"sdist (see {out.name})")
         configure = ["cmake", "-S", str(source), "-B", str(home / "build"),
-                     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                     "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
                      "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                     "-DLLAMA_BUILD_SERVER=ON"]
+                     "-DLLAMA_BUILD_SERVER=ON", *isa_options(cpu_flags())]
         jobs = str(os.cpu_count() or 2)
         for step in (configure, ["cmake", "--build", str(home / "build"), "--target",
                                  "llama-server", "-j", jobs]):
@@ -67,6 +69,17 @@ def build(log: Path | None = None) -> Built:
     finally:
         out.close()
     return Built(binary, f"built from {SDIST} {SDIST_VERSION}'s llama.cpp")
+
+
+def isa_options(flags: frozenset[str]) -> list[str]:
+    """cmake options for the x86 kernels this CPU has. Not ``GGML_NATIVE``: on a 2-core Xeon VM
+    with AMX the native build died of SIGILL (-4) as its server started; this one, naming the
+    AVX-512 kernels (BF16, VNNI) and leaving AMX out, runs there."""
+    wanted = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c",
+              "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi",
+              "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
+    return ["-DGGML_NATIVE=OFF"] + [f"-D{option}={'ON' if flag in flags else 'OFF'}"
+                                    for option, flag in wanted.items()]
 
 
 def _vendored_source(home: Path, out: IO[str]) -> Path | None:

@@ -3,11 +3,12 @@ fairserve's cluster as ``make up`` runs it, on the same GGUF file, in one run.
 
     python -m cluster.benchmarks.peer_bench [--concurrency 1 32] [--requests 32]
         [--prompt-tokens 100] [--output-tokens 64] [--repeats 3] [--threads 2] [--no-peer]
+        [--dtype auto|float32|bfloat16]
 
 Workload: distinct prompts of exactly ``--prompt-tokens`` tokens (sent as token ids, so every
 system sees the same tokens), each generating exactly ``--output-tokens`` tokens (``ignore_eos``),
 greedy, streamed; at concurrency c, c requests in flight at a time (a closed loop of
-``max(c, --requests)`` requests). Per run: output tokens per second of wall time, TTFT (request
+``max(c, --requests)`` requests; 4 at concurrency 1). Per run: output tokens per second of wall time, TTFT (request
 start to first token) and TPOT (time per output token after the first: (last - first) / (n - 1),
 per request). Runs alternate the systems, fresh prompts each run; the table shows each system's
 median run and the ratios to llama.cpp. llama-server runs with ``-t/-tb --threads`` and
@@ -165,7 +166,7 @@ async def measure(args: argparse.Namespace, systems: Systems, names: list[str]
         runs: dict[str, list[Run]] = {name: [] for name in names}
         for _ in range(args.repeats):
             for name in names:
-                prompts = make_prompts(tokenizer, max(c, args.requests if c > 1 else 8),
+                prompts = make_prompts(tokenizer, max(c, args.requests if c > 1 else 4),
                                        args.prompt_tokens, seed=seed)
                 seed += 1
                 run = await systems.run(name, prompts, c, args.output_tokens)
@@ -205,7 +206,7 @@ def cpu_name() -> str:
 
 async def _main(args: argparse.Namespace, peer: llamacpp.LlamaServer | None,
                 cluster_url: str, key: str, model: str) -> dict[int, dict[str, Run]]:
-    engine = TorchEngine(EngineConfig(num_threads=args.threads,
+    engine = TorchEngine(EngineConfig(num_threads=args.threads, dtype=args.dtype,
                                       max_num_seqs=max(64, max(args.concurrency))))
     await engine.start()
     names = (["llama.cpp"] if peer else []) + ["engine", "cluster"]
@@ -227,6 +228,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="engine.dtype of the engine alone and of the cluster")
     args = parser.parse_args()
     gguf = EngineConfig().model
     peer = None
@@ -241,6 +244,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fairserve-peer-bench-") as state_dir:
         # `make up`'s settings: only the ports and the state directory moved
         settings = load_settings(state_dir=state_dir, router={"port": free_port()},
+                                 engine={"dtype": args.dtype},
                                  redis={"port": free_port()}, tenants={"create_demo": False})
         cluster = LocalCluster(settings, progress=lambda line: print(line, flush=True))
         try:
@@ -255,7 +259,8 @@ def main() -> None:
     names = (["llama.cpp"] if peer else []) + ["engine", "cluster"]
     print()
     print(f"{cpu_name()}; {args.prompt_tokens} prompt tokens -> {args.output_tokens} output "
-          f"tokens, greedy, streamed; median of {args.repeats} runs; {args.threads} threads")
+          f"tokens, greedy, streamed; median of {args.repeats} runs; {args.threads} threads; "
+          f"fairserve dtype {args.dtype}")
     if peer is None:
         print("llama.cpp: not run (see above)")
     print_table(medians, names)

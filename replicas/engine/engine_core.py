@@ -25,6 +25,7 @@ from replicas.engine.model_runner import CacheShape, ModelRunner
 from replicas.engine.models.cpu_linear import can_pack
 from replicas.engine.models.llama import LlamaForCausalLM
 from replicas.engine.output_processor import RequestOutput
+from replicas.engine.resume_rules import check_resume
 from replicas.engine.sampler import Sampler
 from replicas.engine.sampling_params import SamplingParams
 from replicas.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -140,25 +141,13 @@ class EngineCore:
                 "max_tokens",
             )
         self._check_sampling(request.sampling)
-        self._check_resume(request)
+        check_resume(request, self.model_config.vocab_size)
         spec = request.sampling.structured_output
         guides = () if spec is None else tuple(
             self.guides.guide(spec) for _ in range(request.sampling.n))
         arrival = request.arrival_time_s if request.arrival_time_s is not None else time.time()
         return PreparedRequest(request, prompt_ids, arrival, guides)
 
-    def _check_resume(self, request: GenerateRequest) -> None:
-        vocab, n = self.model_config.vocab_size, request.sampling.n
-        for resume in request.resume:
-            if not 0 <= resume.index < n or any(not 0 <= t < vocab for t in resume.token_ids):
-                raise InvalidRequestError(
-                    f"resume of choice {resume.index}: the choice or a token id is out of range",
-                    "resume")
-            if len(resume.token_ids) > request.sampling.max_tokens:
-                raise InvalidRequestError(f"resume of choice {resume.index}: more tokens than "
-                                          "max_tokens", "resume")
-        if request.num_open_choices < 1:
-            raise InvalidRequestError("resume: every choice has ended already", "resume")
 
     def _check_sampling(self, sampling: SamplingParams) -> None:
         vocab = self.model_config.vocab_size

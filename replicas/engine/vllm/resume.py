@@ -26,8 +26,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from replicas.engine.errors import EngineError, InvalidRequestError
+from replicas.engine.errors import EngineError
 from replicas.engine.interface import ChoiceResume, GenerateRequest
+from replicas.engine.resume_rules import check_resume as check_any_resume
 
 # the text of a choice's resumed tokens, decoded after the prompt (held-back bytes excluded)
 ResumedText = Callable[[tuple[int, ...]], str]
@@ -71,25 +72,16 @@ def plan_choices(request: GenerateRequest, prompt_token_ids: Sequence[int], voca
 
 
 def check_resume(request: GenerateRequest, vocab_size: int) -> None:
-    """The torch engine's rules for a resume (``EngineCore._check_resume``), plus vLLM's one
+    """Every engine's rules for a resume (``resume_rules.check_resume``), plus vLLM's one
     limit: no structured output continued part-way."""
-    n = request.sampling.n
+    check_any_resume(request, vocab_size)
     for resume in request.resume:
-        if not 0 <= resume.index < n or any(not 0 <= t < vocab_size for t in resume.token_ids):
-            raise InvalidRequestError(
-                f"resume of choice {resume.index}: the choice or a token id is out of range",
-                "resume")
-        if len(resume.token_ids) > request.sampling.max_tokens:
-            raise InvalidRequestError(f"resume of choice {resume.index}: more tokens than "
-                                      "max_tokens", "resume")
         if (request.sampling.structured_output is not None and resume.token_ids
                 and not resume.is_finished):
             raise EngineError(
                 f"{request.request_id}: the vllm engine cannot continue choice {resume.index} "
                 "part-way through a structured output (vLLM cannot advance a grammar over "
                 "tokens it did not sample)")
-    if request.num_open_choices < 1:
-        raise InvalidRequestError("resume: every choice has ended already", "resume")
 
 
 def _resumed_plan(request: GenerateRequest, prompt: tuple[int, ...], resume: ChoiceResume,
