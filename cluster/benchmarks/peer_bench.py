@@ -71,11 +71,13 @@ def _ms(values: list[float]) -> float:
 
 
 async def run_http(http: httpx.AsyncClient, url: str, headers: dict[str, str], system: str,
-                   prompts: list[list[int]], concurrency: int, num_out: int) -> Run:
+                   prompts: list[list[int]], concurrency: int, num_out: int,
+                   model: str) -> Run:
     """The workload over an OpenAI-compatible ``/v1/completions`` with SSE."""
     run = Run(system, concurrency)
     slots = asyncio.Semaphore(concurrency)
-    body = {"max_tokens": num_out, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {"model": model, "max_tokens": num_out, "temperature": 0, "stream": True,
+            "ignore_eos": True}
 
     async def one(ids: list[int]) -> None:
         async with slots:
@@ -84,7 +86,9 @@ async def run_http(http: httpx.AsyncClient, url: str, headers: dict[str, str], s
             finish = None
             async with http.stream("POST", url, headers=headers,
                                    json={**body, "prompt": ids}) as response:
-                response.raise_for_status()
+                if response.status_code != 200:
+                    await response.aread()
+                    raise RuntimeError(f"{system}: {response.status_code} {response.text}")
                 async for line in response.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
@@ -149,10 +153,10 @@ class Systems:
         if system == "llama.cpp":
             assert self.peer_url is not None
             return await run_http(self.http, f"{self.peer_url}/v1/completions", {}, system,
-                                  prompts, c, n)
+                                  prompts, c, n, self.model)
         return await run_http(self.http, f"{self.cluster_url}/completions",
                               {"Authorization": f"Bearer {self.cluster_key}"}, system,
-                              prompts, c, n)
+                              prompts, c, n, self.model)
 
 
 async def measure(args: argparse.Namespace, systems: Systems, names: list[str]
@@ -211,7 +215,9 @@ async def _main(args: argparse.Namespace, peer: llamacpp.LlamaServer | None,
     await engine.start()
     names = (["llama.cpp"] if peer else []) + ["engine", "cluster"]
     try:
-        async with httpx.AsyncClient(timeout=600) as http:
+        # no keep-alive: llama-server closes idle connections after 5 s, while the others run
+        no_keepalive = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=600, limits=no_keepalive) as http:
             systems = Systems(http, engine, peer.base_url if peer else None, cluster_url, key,
                               model)
             return await measure(args, systems, names)
