@@ -101,8 +101,11 @@ class EngineCore:
     def _cache_shape(self) -> CacheShape:
         cfg = self.model_config
         per_block = CacheShape.bytes_per_block(cfg, self.config.block_size, self.dtype)
+        if self.config.num_kv_blocks is not None:  # exact: no budget to measure
+            return CacheShape(self.config.num_kv_blocks, self.config.block_size, cfg.num_layers,
+                              cfg.num_kv_heads, cfg.head_dim)
         budget = kv_budget.kv_cache_bytes(self.config, self.device, cfg, self.dtype)
-        num_blocks = self.config.num_kv_blocks or budget // per_block
+        num_blocks = budget // per_block
         if num_blocks < 2:
             raise ValueError(
                 f"the KV budget ({budget} bytes) buys {num_blocks} KV blocks of "
@@ -147,7 +150,6 @@ class EngineCore:
             self.guides.guide(spec) for _ in range(request.sampling.n))
         arrival = request.arrival_time_s if request.arrival_time_s is not None else time.time()
         return PreparedRequest(request, prompt_ids, arrival, guides)
-
 
     def _check_sampling(self, sampling: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
