@@ -37,6 +37,18 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
 
 
+@dataclass(slots=True)
+class KernelMetadata:
+    """A step for the CPU kernels (``torch.ops.fairserve.paged_attention``): every token carries
+    its position and its sequence; a token at position p attends to its sequence's keys up to p
+    (within the sliding window), whether it is a decode or part of a prefill chunk."""
+
+    positions: torch.Tensor  # (num_tokens,) long
+    slot_mapping: torch.Tensor  # (num_tokens,) long: block_id * block_size + offset
+    token_seq: torch.Tensor  # (num_tokens,) long: the token's row in block_tables
+    block_tables: torch.Tensor  # (num_seqs, max_blocks) long, padded with 0
+
+
 def paged_attention(
     q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
     k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)

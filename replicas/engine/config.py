@@ -107,10 +107,17 @@ class EngineConfig(BaseModel):
     )
     dtype: DType = Field(
         default=DType.AUTO,
-        description="Weights, activations and KV cache dtype. auto: bfloat16 on a GPU, float32 "
-        "on a CPU. bfloat16 on a CPU with AVX-512 BF16 or AMX is ~1.8x faster at 32 streams, but "
-        "a migrated request's continuation is then not exactly the uninterrupted text; on other "
-        "CPUs it is emulated and many times slower.",
+        description="Weights, activations and KV cache dtype. auto: bfloat16 on a GPU; on a CPU "
+        "bfloat16 where it is native (AVX-512 BF16 or AMX) and the CPU kernels run, else float32. "
+        "bfloat16 without the CPU kernels: faster, but a migrated request's continuation is then "
+        "not exactly the uninterrupted text; on CPUs without native bf16 it is emulated and many "
+        "times slower.",
+    )
+    cpu_kernels: bool = Field(
+        default=True,
+        description="On a CPU, run the model through fairserve's compiled kernels (built for the "
+        "machine with g++ on first use, cached in ~/.cache/fairserve/kernels); false, or where "
+        "they cannot be built: torch's own ops, slower, and dtype auto stays float32.",
     )
     block_size: int = Field(default=16, ge=1, le=256, description="Tokens per KV cache block.")
     kv_cache_bytes: int | None = Field(

@@ -77,6 +77,8 @@ class EngineCore:
         model.to(device=self.device, dtype=self.dtype).eval()
         if can_pack(self.device, self.dtype):
             model.pack_for_cpu()
+            if self.compute.uses_cpu_kernels:
+                model.use_cpu_kernels()
         self.cache_shape = self._cache_shape()  # after the weights: a GPU's budget is what is left
         self.runner = ModelRunner(model, self.cache_shape, self.device, self.dtype)
         self.block_manager = BlockManager(

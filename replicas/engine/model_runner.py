@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from replicas.engine.attention import AttentionMetadata, PrefillSpan
+from replicas.engine.attention import AttentionMetadata, KernelMetadata, PrefillSpan
 from replicas.engine.models.llama import LlamaForCausalLM
 from replicas.engine.models.model_config import ModelConfig
 from replicas.engine.scheduler import ScheduledSeq
@@ -42,7 +42,7 @@ class CacheShape:
 class StepBatch:
     input_ids: torch.Tensor  # (num_tokens,)
     positions: torch.Tensor  # (num_tokens,)
-    meta: AttentionMetadata
+    meta: AttentionMetadata | KernelMetadata
     sample_rows: torch.Tensor  # (num_sampling,) rows of the flat batch, in `scheduled` order
 
 
@@ -84,6 +84,8 @@ class ModelRunner:
             input_ids.append(s.seq.token_ids[pos])
             positions.append(pos)
             slots.append(s.seq.block_ids[pos // bs] * bs + pos % bs)
+        if self.model.uses_cpu_kernels:
+            return self._prepare_for_kernels(decodes + prefills, scheduled)
         spans = []
         for s in prefills:
             start, end = s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens
@@ -109,6 +111,33 @@ class ModelRunner:
             meta=meta,
             sample_rows=self._tensor(sample_rows),
         )
+
+    def _prepare_for_kernels(
+        self, ordered: list[ScheduledSeq], scheduled: list[ScheduledSeq]
+    ) -> StepBatch:
+        bs = self.cache.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        token_seq: list[int] = []
+        row_of: dict[int, int] = {}
+        for index, s in enumerate(ordered):
+            start, end = s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens
+            blocks = s.seq.block_ids
+            input_ids.extend(s.seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            token_seq.extend([index] * (end - start))
+            row_of[id(s)] = len(input_ids) - 1
+        num_blocks = [-(-(s.seq.num_computed_tokens + s.num_new_tokens) // bs) for s in ordered]
+        width = max(num_blocks)
+        tables = [s.seq.block_ids[:n] + [0] * (width - n) for s, n in zip(ordered, num_blocks,
+                                                                         strict=True)]
+        positions_t = self._tensor(positions)
+        meta = KernelMetadata(positions_t, self._tensor(slots), self._tensor(token_seq),
+                              self._tensor(tables))
+        sample_rows = [row_of[id(s)] for s in scheduled if s.is_sampling]
+        return StepBatch(self._tensor(input_ids), positions_t, meta, self._tensor(sample_rows))
 
     def _decode_tables(self, decodes: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
         max_blocks = max(len(s.seq.block_ids) for s in decodes)

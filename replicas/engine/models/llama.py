@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replicas.engine.attention import AttentionMetadata, paged_attention
+from replicas.engine.attention import AttentionMetadata, KernelMetadata, paged_attention
 from replicas.engine.models.cpu_linear import pack_linears
 from replicas.engine.models.model_config import ModelConfig
 from replicas.engine.models.rope import rope_inv_freq
@@ -56,8 +56,15 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # (max_positions, head_dim // 2)
         # transformers takes cos/sin of cat(freqs, freqs); both halves are equal, keep one.
-        self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
-        self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
+        cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self._float_tables = (cos.clone(), sin.clone())
+
+    def float_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin in float32 on the CPU (the kernels' arithmetic), whatever the model was cast
+        to: plain attributes, so ``Module.to`` leaves them as computed."""
+        return self._float_tables
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(num_tokens,) -> cos, sin of shape (num_tokens, 1, head_dim // 2)."""
@@ -165,23 +172,61 @@ class LlamaForCausalLM(nn.Module):
             None if cfg.tie_word_embeddings
             else uninitialized_linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
+        self.uses_cpu_kernels = False
 
     def forward(
         self,
         input_ids: torch.Tensor,  # (num_tokens,)
         positions: torch.Tensor,  # (num_tokens,)
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | KernelMetadata,
     ) -> torch.Tensor:  # (num_tokens, hidden): final hidden states, before the norm
+        if isinstance(meta, KernelMetadata):
+            return self._forward_cpu_kernels(input_ids, kv_caches, meta)
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv_cache, meta)
         return x
 
+    def _forward_cpu_kernels(
+        self,
+        input_ids: torch.Tensor,  # (num_tokens,)
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: KernelMetadata,
+    ) -> torch.Tensor:
+        """The same decoder through ``torch.ops.fairserve`` (replicas/engine/kernels): each
+        layer is 4 packed linears and 4 kernels (norm, attention with RoPE and the cache write,
+        residual add + norm, SiLU-and-multiply) instead of ~165 small torch ops, and every row's
+        result is independent of the batch around it (see cpu_ops.cpp)."""
+        ops, cfg = torch.ops.fairserve, self.cfg
+        eps, window = cfg.rms_norm_eps, cfg.sliding_window or 0
+        scale = cfg.head_dim ** -0.5
+        cos, sin = self.rotary.float_tables()
+        x = self.embed_tokens(input_ids)  # (num_tokens, hidden), the residual stream
+        layers = self.layers
+        h = ops.rms_norm(x, layers[0].input_layernorm.weight, eps)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
+            attn = layer.self_attn
+            a = ops.paged_attention(
+                attn.qkv_proj(h), meta.positions, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                meta.token_seq, meta.block_tables, cfg.num_heads, cfg.num_kv_heads, window, scale,
+            )
+            h = ops.add_rms_norm(x, attn.o_proj(a), layer.post_attention_layernorm.weight, eps)
+            m = layer.mlp.down_proj(ops.silu_mul(layer.mlp.gate_up_proj(h)))
+            if i + 1 < len(layers):
+                h = ops.add_rms_norm(x, m, layers[i + 1].input_layernorm.weight, eps)
+            else:
+                x.add_(m)
+        return x
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(num_sampled, hidden) hidden states of sampling positions -> (num_sampled, vocab)."""
-        hidden = self.norm(hidden)
+        if self.uses_cpu_kernels:
+            hidden = torch.ops.fairserve.rms_norm(hidden.contiguous(), self.norm.weight,
+                                                  self.cfg.rms_norm_eps)
+        else:
+            hidden = self.norm(hidden)
         if self.lm_head is not None:
             return self.lm_head(hidden)
         return F.linear(hidden, self.embed_tokens.weight)
@@ -193,6 +238,12 @@ class LlamaForCausalLM(nn.Module):
                                      device="meta")
             self.lm_head.weight = self.embed_tokens.weight
         pack_linears(self)
+
+    def use_cpu_kernels(self) -> None:
+        """Run ``forward`` through fairserve's CPU kernels (loaded by the caller); the runner
+        then hands ``KernelMetadata``. Call after ``pack_for_cpu``: the kernels take 2-D
+        contiguous rows, which the packed linears give."""
+        self.uses_cpu_kernels = True
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

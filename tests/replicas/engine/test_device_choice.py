@@ -9,6 +9,7 @@ import subprocess
 import pytest
 import torch
 
+from replicas.engine import kernels
 from replicas.engine.config import DType, EngineConfig
 from replicas.engine.device_choice import choose, cpu_flags, resolve_device, resolve_dtype
 from replicas.engine.kv_budget import (
@@ -23,13 +24,18 @@ CPU = torch.device("cpu")
 GIB = 1024**3
 
 
-def test_auto_is_float32_on_a_cpu_and_says_whether_bfloat16_is_native() -> None:
+def test_auto_on_a_cpu_is_bfloat16_where_native_and_the_kernels_run() -> None:
     for flags in ({"avx2", "avx512f", "avx512_bf16"}, {"avx2", "amx_bf16", "amx_tile"}):
-        dtype, reason = resolve_dtype(DType.AUTO, CPU, frozenset(flags))
+        dtype, reason = resolve_dtype(DType.AUTO, CPU, frozenset(flags), has_cpu_kernels=True)
+        assert dtype is DType.BFLOAT16 and "natively" in reason and "kernels" in reason
+        # without the kernels only float32 keeps a resumed request's text
+        dtype, reason = resolve_dtype(DType.AUTO, CPU, frozenset(flags), has_cpu_kernels=False)
         assert dtype is DType.FLOAT32 and "natively" in reason and "dtype: bfloat16" in reason
-    dtype, reason = resolve_dtype(DType.AUTO, CPU, frozenset({"avx2", "avx512f", "avx512bw"}))
-    assert dtype is DType.FLOAT32 and "no native bfloat16" in reason
-    assert resolve_dtype(DType.AUTO, CPU, frozenset())[0] is DType.FLOAT32
+    for has_kernels in (True, False):
+        dtype, reason = resolve_dtype(DType.AUTO, CPU, frozenset({"avx2", "avx512f", "avx512bw"}),
+                                      has_cpu_kernels=has_kernels)
+        assert dtype is DType.FLOAT32 and "no native bfloat16" in reason
+        assert resolve_dtype(DType.AUTO, CPU, frozenset(), has_kernels)[0] is DType.FLOAT32
 
 
 def test_a_set_dtype_is_kept_whatever_the_machine() -> None:
@@ -54,8 +60,12 @@ def test_on_this_machine_auto_follows_lscpu() -> None:
     expected_device = "cuda" if torch.cuda.is_available() else "cpu"
     assert choice.device.type == expected_device
     if expected_device == "cpu":
-        assert choice.dtype is DType.FLOAT32
+        # g++ and ninja are on this machine (make install checks): the kernels must build
+        assert choice.uses_cpu_kernels, kernels.cpu_ops().detail
+        assert choice.dtype is (DType.BFLOAT16 if native else DType.FLOAT32)
         assert ("natively" in choice.reason) is native, choice.reason
+        off = choose(EngineConfig(cpu_kernels=False))
+        assert not off.uses_cpu_kernels and off.dtype is DType.FLOAT32
 
 
 def test_devices() -> None:

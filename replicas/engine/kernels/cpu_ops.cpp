@@ -1,0 +1,396 @@
+// fairserve's CPU kernels: RMSNorm (with the residual add), SiLU-and-multiply, and paged
+// attention with rotary embedding and the KV-cache write, registered as torch.ops.fairserve.*.
+//
+// NOTE: row invariance. Every output row here is computed by one thread, by the same loops, from
+// that row's inputs alone (and, for attention, the cached keys and values of its own sequence):
+// nothing depends on how many rows the call holds, how a prompt was cut into chunks, or how the
+// rows are split between threads. A token at position p attends to keys lo..p in that order,
+// in fixed 16-lane partial sums added in a fixed order, so the same query over the same cache
+// gives the same bits whether it runs in a decode step of 1 or 32 sequences or inside a prefill
+// chunk. torch's SDPA on CPU changes its blocking with the key length and the number of query
+// rows, and its reductions with the tensor shapes; in bfloat16 those differences flip greedy
+// choices, which would break the promise that a migrated request (resumed by a prefill of the
+// tokens it had sent) continues with the text it would have had (replicas/engine/resume_rules.py).
+//
+// Arithmetic: inputs and outputs are float32 or bfloat16 (the model's dtype); everything in
+// between is float32. bfloat16 results round to nearest even, as torch's casts do.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+// float32 and bfloat16 only
+#define FAIRSERVE_DISPATCH(TYPE, NAME, ...)                  \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                             \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+
+inline float load(float x) { return x; }
+// bfloat16 is float32's upper half: a shift, written so that loops over it vectorize
+inline float load(c10::BFloat16 x) {
+  return __builtin_bit_cast(float, static_cast<uint32_t>(x.x) << 16);
+}
+
+// lanes summed pairwise, in the same fixed order every time (vectorizes, unlike a running sum)
+inline float sum_lanes(float* acc) {
+  for (int64_t width = kLanes / 2; width >= 1; width /= 2) {
+    for (int64_t l = 0; l < width; ++l) acc[l] += acc[l + width];
+  }
+  return acc[0];
+}
+template <typename T>
+inline T store(float x) { return static_cast<T>(x); }
+
+// 16 floats as one value (GCC vector extension: AVX-512 where the CPU has it, two AVX2
+// halves elsewhere); bfloat16 rows widen to it by a shift
+using vf = float __attribute__((vector_size(64)));
+using vu32 = uint32_t __attribute__((vector_size(64)));
+using vu16 = uint16_t __attribute__((vector_size(32)));
+static_assert(sizeof(vf) == kLanes * sizeof(float));
+
+inline vf load_vec(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vf load_vec(const c10::BFloat16* p) {
+  vu16 half;
+  std::memcpy(&half, p, sizeof(half));
+  return (vf)(__builtin_convertvector(half, vu32) << 16);
+}
+inline void store_vec(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float sum_vec(vf v) {
+  float lanes[kLanes];
+  std::memcpy(lanes, &v, sizeof(v));
+  return sum_lanes(lanes);
+}
+
+// sum over d of a[d] * b[d]: 16 lanes, then the lanes pairwise, then the tail
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
+  vf acc = {};
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes) acc += load_vec(a + d) * load_vec(b + d);
+  float tail = 0.f;
+  for (; d < n; ++d) tail += a[d] * load(b[d]);
+  return sum_vec(acc) + tail;
+}
+
+// acc[d] += w * x[d]
+template <typename T>
+inline void axpy(float* acc, float w, const T* x, int64_t n) {
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes) store_vec(acc + d, load_vec(acc + d) + w * load_vec(x + d));
+  for (; d < n; ++d) acc[d] += w * load(x[d]);
+}
+
+template <typename T>
+inline float sum_squares(const T* x, int64_t n) {
+  vf acc = {};
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes) {
+    const vf v = load_vec(x + d);
+    acc += v * v;
+  }
+  float tail = 0.f;
+  for (; d < n; ++d) tail += load(x[d]) * load(x[d]);
+  return sum_vec(acc) + tail;
+}
+
+// sum of x[0..n), in lanes (fixed order)
+inline float sum_array(const float* x, int64_t n) {
+  float acc[kLanes] = {0.f};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) acc[l] += x[i + l];
+  }
+  float tail = 0.f;
+  for (; i < n; ++i) tail += x[i];
+  return sum_lanes(acc) + tail;
+}
+
+inline float max_array(const float* x, int64_t n) {
+  float acc[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) acc[l] = x[0];
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) acc[l] = acc[l] > x[i + l] ? acc[l] : x[i + l];
+  }
+  float mx = x[0];
+  for (int64_t l = 0; l < kLanes; ++l) mx = mx > acc[l] ? mx : acc[l];
+  for (; i < n; ++i) mx = mx > x[i] ? mx : x[i];
+  return mx;
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max), branch-free so the loop vectorizes:
+// 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2], p a degree-6 Taylor polynomial (relative
+// error < 2e-7, float32's own precision). Below -87 it returns ~0 (float32 underflows there).
+inline void exp_nonpositive(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i] > -87.0f ? x[i] : -87.0f;
+    const float k = std::floor(v * 1.44269504088896341f + 0.5f);
+    const float r = (v - k * 0.693145751953125f) - k * 1.42860682030941723212e-6f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    x[i] = p * __builtin_bit_cast(float, bits);
+  }
+}
+
+// ---- RMSNorm ----------------------------------------------------------------------------------
+
+// out = weight * to_dtype(x * rsqrt(mean(x^2) + eps)); transformers' LlamaRMSNorm arithmetic
+template <typename T>
+void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t hidden, float eps) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * hidden;
+      T* outr = out + r * hidden;
+      const float inv = 1.0f / std::sqrt(sum_squares(xr, hidden) / hidden + eps);
+      for (int64_t d = 0; d < hidden; ++d) {
+        const float normed = load(store<T>(load(xr[d]) * inv));
+        outr[d] = store<T>(load(weight[d]) * normed);
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "rms_norm: x must be contiguous (rows, hidden)");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight dtype differs from x");
+  auto out = at::empty_like(x);
+  FAIRSERVE_DISPATCH(x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), weight.contiguous().data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), x.size(0), x.size(1),
+                            static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual += x (rounded to the dtype, as torch's add), then returns rms_norm(residual)
+at::Tensor add_rms_norm(at::Tensor residual, const at::Tensor& x, const at::Tensor& weight,
+                        double eps) {
+  TORCH_CHECK(residual.is_contiguous() && x.is_contiguous(), "add_rms_norm: contiguous rows");
+  TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm: shapes differ");
+  FAIRSERVE_DISPATCH(x.scalar_type(), "add_rms_norm", [&] {
+    scalar_t* res = residual.data_ptr<scalar_t>();
+    const scalar_t* add = x.data_ptr<scalar_t>();
+    const int64_t n = residual.numel();
+    at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) res[i] = store<scalar_t>(load(res[i]) + load(add[i]));
+    });
+  });
+  return rms_norm(residual, weight, eps);
+}
+
+// ---- SiLU and multiply ------------------------------------------------------------------------
+
+// (rows, 2 * inter) [gate | up] -> (rows, inter): silu(gate) * up
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up must be contiguous (rows, 2 * intermediate)");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = at::empty({rows, inter}, gate_up.options());
+  FAIRSERVE_DISPATCH(gate_up.scalar_type(), "silu_mul", [&] {
+    const scalar_t* in = gate_up.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> e(inter);
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* gate = in + r * 2 * inter;
+        const scalar_t* up = gate + inter;
+        // silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) (an argument <= 0): 1 / (1 + e)
+        // for g >= 0, e / (1 + e) below
+        for (int64_t i = 0; i < inter; ++i) e[i] = -std::fabs(load(gate[i]));
+        exp_nonpositive(e.data(), inter);
+        for (int64_t i = 0; i < inter; ++i) {
+          const float g = load(gate[i]);
+          const float sig = (g >= 0.f ? 1.0f : e[i]) / (1.0f + e[i]);
+          o[r * inter + i] = store<scalar_t>(g * sig * load(up[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// ---- paged attention --------------------------------------------------------------------------
+
+struct AttentionShape {
+  int64_t num_tokens, num_heads, num_kv_heads, head_dim, block_size, max_blocks, window;
+  float scale;
+};
+
+// rotate one head in place: first half x1*c - x2*s, second half x2*c + x1*s (as transformers)
+inline void rotate(float* x, const float* cos, const float* sin, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * cos[i] - x2 * sin[i];
+    x[i + half] = x2 * cos[i] + x1 * sin[i];
+  }
+}
+
+// queries roped into q_out (float32, rounded through the dtype); keys roped and values written to
+// the cache at their slots
+template <typename T>
+void rope_and_write(const T* qkv, const int64_t* positions, const float* cos, const float* sin,
+                    const int64_t* slots, T* k_cache, T* v_cache, float* q_out,
+                    const AttentionShape& s) {
+  const int64_t D = s.head_dim, half = D / 2;
+  const int64_t q_size = s.num_heads * D, kv_size = s.num_kv_heads * D;
+  at::parallel_for(0, s.num_tokens, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> head(D);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* row = qkv + t * (q_size + 2 * kv_size);
+      const float* c = cos + positions[t] * half;
+      const float* sn = sin + positions[t] * half;
+      for (int64_t h = 0; h < s.num_heads; ++h) {
+        for (int64_t d = 0; d < D; ++d) head[d] = load(row[h * D + d]);
+        rotate(head.data(), c, sn, half);
+        float* q = q_out + (t * s.num_heads + h) * D;
+        for (int64_t d = 0; d < D; ++d) q[d] = load(store<T>(head[d]));
+      }
+      T* k_dst = k_cache + slots[t] * kv_size;
+      T* v_dst = v_cache + slots[t] * kv_size;
+      for (int64_t h = 0; h < s.num_kv_heads; ++h) {
+        for (int64_t d = 0; d < D; ++d) head[d] = load(row[q_size + h * D + d]);
+        rotate(head.data(), c, sn, half);
+        for (int64_t d = 0; d < D; ++d) k_dst[h * D + d] = store<T>(head[d]);
+      }
+      for (int64_t i = 0; i < kv_size; ++i) v_dst[i] = row[q_size + kv_size + i];
+    }
+  });
+}
+
+// fn(j, slot) for the keys lo..lo+n-1 in order, walking the block table block by block
+template <typename Fn>
+inline void for_each_key(const int64_t* table, int64_t lo, int64_t n, int64_t block_size, Fn fn) {
+  int64_t j = 0;
+  while (j < n) {
+    const int64_t key = lo + j, offset = key % block_size;
+    const int64_t base = table[key / block_size] * block_size + offset;
+    const int64_t count = std::min(block_size - offset, n - j);
+    for (int64_t c = 0; c < count; ++c) fn(j + c, base + c);
+    j += count;
+  }
+}
+
+// one token's query heads of one KV head against keys lo..p of its sequence
+template <typename T>
+void attend_row(const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
+                int64_t lo, int64_t p, int64_t kv_head, int64_t group, const AttentionShape& s,
+                std::vector<float>& scores, std::vector<float>& acc, T* out) {
+  const int64_t D = s.head_dim, n = p - lo + 1, kv_size = s.num_kv_heads * D;
+  scores.resize(static_cast<size_t>(group * n));
+  for_each_key(table, lo, n, s.block_size, [&](int64_t j, int64_t slot) {
+    const T* k = k_cache + slot * kv_size + kv_head * D;
+    for (int64_t g = 0; g < group; ++g) scores[g * n + j] = dot(q + g * D, k, D) * s.scale;
+  });
+  acc.assign(static_cast<size_t>(group * D), 0.f);
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores.data() + g * n;
+    const float mx = max_array(sg, n);
+    for (int64_t j = 0; j < n; ++j) sg[j] -= mx;
+    exp_nonpositive(sg, n);
+    const float inv = 1.0f / sum_array(sg, n);
+    for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+  }
+  for_each_key(table, lo, n, s.block_size, [&](int64_t j, int64_t slot) {
+    const T* v = v_cache + slot * kv_size + kv_head * D;
+    for (int64_t g = 0; g < group; ++g) axpy(acc.data() + g * D, scores[g * n + j], v, D);
+  });
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = store<T>(acc[g * D + d]);
+  }
+}
+
+// qkv: (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim), the fused projection's output.
+// positions, slots, token_seq: (num_tokens,) long; block_tables: (num_seqs, max_blocks) long;
+// cos, sin: (max_positions, head_dim / 2) float32; caches: (num_blocks, block_size, kv_heads,
+// head_dim). A token at position p sees keys max(0, p - window + 1)..p (window 0: all).
+// Returns (num_tokens, num_heads * head_dim).
+at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& positions,
+                           const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                           at::Tensor v_cache, const at::Tensor& slots,
+                           const at::Tensor& token_seq, const at::Tensor& block_tables,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t window,
+                           double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "paged_attention: qkv (tokens, width)");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type(), "paged_attention: cache dtype");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "paged_attention: cos/sin must be float32");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "paged_attention: heads not a multiple of kv heads");
+  for (const auto* t : {&positions, &slots, &token_seq, &block_tables}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
+                "paged_attention: index tensors must be contiguous int64");
+  }
+  AttentionShape s{qkv.size(0), num_heads, num_kv_heads, k_cache.size(3), k_cache.size(1),
+                   block_tables.size(1), window, static_cast<float>(scale)};
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * s.head_dim,
+              "paged_attention: qkv width does not match the heads");
+  const int64_t group = num_heads / num_kv_heads, D = s.head_dim;
+  auto out = at::empty({s.num_tokens, num_heads * D}, qkv.options());
+  auto q = at::empty({s.num_tokens, num_heads * D}, qkv.options().dtype(at::kFloat));
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* seq = token_seq.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  FAIRSERVE_DISPATCH(qkv.scalar_type(), "paged_attention", [&] {
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    rope_and_write<scalar_t>(qkv.data_ptr<scalar_t>(), pos, cos.data_ptr<float>(),
+                             sin.data_ptr<float>(), slots.data_ptr<int64_t>(), kc, vc,
+                             q.data_ptr<float>(), s);
+    const float* qf = q.data_ptr<float>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    // every key of the step is in the cache before any row attends (a chunk sees its own keys)
+    at::parallel_for(0, s.num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, acc;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t t = task / num_kv_heads, h = task % num_kv_heads;
+        const int64_t p = pos[t];
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+        attend_row<scalar_t>(qf + (t * num_heads + h * group) * D, kc, vc,
+                             tables + seq[t] * s.max_blocks, lo, p, h, group, s, scores, acc,
+                             o + (t * num_heads + h * group) * D);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(fairserve, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def(
+      "paged_attention(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, Tensor slots, Tensor token_seq, Tensor block_tables, int num_heads, "
+      "int num_kv_heads, int window, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fairserve, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("add_rms_norm", add_rms_norm);
+  m.impl("silu_mul", silu_mul);
+  m.impl("paged_attention", paged_attention);
+}
