@@ -156,8 +156,10 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(
         default=None,
         ge=1,
-        description="torch intra-op threads for this engine; default: torch's choice. Set it "
-        "per replica so replicas sharing a host do not fight over cores.",
+        description="torch intra-op threads for this engine; default: in a cluster on a local "
+        "Ray, the machine's cores left after the routers shared by the replicas "
+        "(cluster/placement.py), elsewhere torch's choice. Set it per replica so replicas "
+        "sharing a host do not fight over cores.",
     )
     max_queue_wait_s: float = Field(
         default=30.0,

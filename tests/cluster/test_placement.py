@@ -32,6 +32,25 @@ def test_unset_replica_cpus_fit_the_machine(num_cpus: float, num_replicas: int,
     assert num_replicas * expected + 0.25 <= num_cpus
 
 
+@pytest.mark.parametrize("num_cpus, num_replicas, expected", [
+    (2, 1, 2),  # make up: the router needs little, the replica computes on both cores
+    (2, 2, 1),
+    (1, 1, 1),
+    (16, 3, 5),  # (16 - 0.25) / 3
+])
+def test_unset_engine_threads_use_the_local_machines_cores(num_cpus: float, num_replicas: int,
+                                                           expected: int) -> None:
+    settings = load_settings(replicas={"num_replicas": num_replicas})
+    assert settings.engine.num_threads is None
+    assert place(settings, local(num_cpus)).engine.num_threads == expected
+    # set by hand: kept; on a joined Ray (not this machine): left to Ray
+    fixed = load_settings(replicas={"num_replicas": num_replicas}, engine={"num_threads": 3})
+    assert place(fixed, local(num_cpus)).engine.num_threads == 3
+    joined = RayResources(num_cpus=num_cpus, num_gpus=0, largest_node_cpus=num_cpus,
+                          largest_node_gpus=0, is_local=False)
+    assert place(settings, joined).engine.num_threads is None
+
+
 def test_autoscaling_shares_the_cpus_among_the_most_replicas_it_may_hold() -> None:
     settings = load_settings(replicas={"autoscaling": {"min_replicas": 1, "max_replicas": 4}})
     assert place(settings, local(2)).replicas.num_cpus == pytest.approx(0.43)
