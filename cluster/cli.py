@@ -93,7 +93,7 @@ def _print_welcome(base: str, key: str | None, model: str) -> None:
     print(f"  curl {base}/chat/completions -H 'Authorization: Bearer {shown_key}' \\\n"
           f"    -H 'Content-Type: application/json' \\\n"
           f"    -d '{{\"model\": \"{model}\", \"messages\": "
-          f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n")
+          f"[{{\"role\": \"user\", \"content\": \"Which city is the capital of France?\"}}]}}'\n")
     print(f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base}', "
           f"api_key='{shown_key}'); print(c.chat.completions.create(model='{model}', "
           f"messages=[{{'role': 'user', 'content': 'Hi!'}}]).choices[0].message.content)\"\n")

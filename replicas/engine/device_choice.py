@@ -20,13 +20,13 @@ what each replica runs.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from replicas.engine import kernels
-from replicas.engine.config import AUTO, DType, EngineConfig
+from replicas.engine.config import AUTO, DType, EngineConfig, Quantization
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,51 @@ class ComputeChoice:
     dtype: DType
     reason: str  # why this dtype, for the log and `fairserve status`
     uses_cpu_kernels: bool = False
+    quantization: Quantization = Quantization.NONE
+
+    def describe(self) -> str:
+        """``cpu bfloat16 int4``: what ``fairserve status`` shows per replica."""
+        quantized = "" if self.quantization is Quantization.NONE else f" {self.quantization.value}"
+        return f"{self.device} {self.dtype.value}{quantized}"
+
+
+def with_quantization(choice: ComputeChoice, config: EngineConfig) -> ComputeChoice:
+    """``choice`` with ``engine.quantization`` resolved (reading the model file's weight types
+    only when ``auto`` could pick int4); logged once."""
+    file_bits = None
+    if (config.quantization is Quantization.AUTO and choice.dtype is DType.BFLOAT16
+            and config.model.lower().endswith(".gguf")):
+        from replicas.engine.loader.gguf_loader import layer_weight_bits
+
+        file_bits = layer_weight_bits(config.model)
+    quantization, reason = resolve_quantization(config.quantization, choice, file_bits)
+    if quantization is not Quantization.NONE or config.quantization is not Quantization.NONE:
+        logger.info("engine weights %s: %s", quantization.value, reason)
+    return replace(choice, quantization=quantization)
+
+
+def resolve_quantization(requested: Quantization, choice: ComputeChoice,
+                         file_bits: int | None) -> tuple[Quantization, str]:
+    """int4 or none, and why. ``file_bits``: bits per weight of the model file's layers
+    (``loader.gguf_loader.layer_weight_bits``; None: not a GGUF). Raises ``ValueError`` naming
+    the setting when int4 is asked where it cannot run."""
+    runs_int4 = (choice.device.type == "cpu" and choice.dtype is DType.BFLOAT16
+                 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+    if requested is Quantization.NONE:
+        return Quantization.NONE, "set in the settings"
+    if requested is Quantization.INT4:
+        if not runs_int4:
+            raise ValueError(
+                f"engine.quantization int4 needs a CPU engine in bfloat16 (this one runs on "
+                f"{choice.device} in {choice.dtype.value}); set dtype bfloat16 on a CPU with "
+                "native bf16, or quantization none")
+        return Quantization.INT4, "set in the settings"
+    if not (runs_int4 and choice.uses_cpu_kernels):
+        return Quantization.NONE, "int4 runs only on a CPU engine in bfloat16 with its kernels"
+    if file_bits is None or file_bits > 4:
+        return Quantization.NONE, f"the model file's layers are not 4-bit ({file_bits or 'not a GGUF'})"
+    return Quantization.INT4, (f"the model file's layers are {file_bits}-bit: int4 keeps them "
+                               "at a quarter of bfloat16's bytes")
 
 
 def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:

@@ -16,7 +16,7 @@ import torch
 
 from replicas.engine import device_choice, kv_budget
 from replicas.engine.block_manager import BlockManager
-from replicas.engine.config import EngineConfig
+from replicas.engine.config import EngineConfig, Quantization
 from replicas.engine.errors import InvalidRequestError
 from replicas.engine.guide import Guide, GuideFactory
 from replicas.engine.interface import Chunk, FinishReason, GenerateRequest, LoadSnapshot
@@ -74,6 +74,9 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or model_max, model_max)
         model = LlamaForCausalLM(source.config, max_positions=self.max_model_len)
         model.load_weights(source.weights())
+        self.compute = device_choice.with_quantization(self.compute, config)
+        if self.compute.quantization is Quantization.INT4:
+            model.quantize_int4()  # from the float32 weights, before the cast
         model.to(device=self.device, dtype=self.dtype).eval()
         if can_pack(self.device, self.dtype):
             model.pack_for_cpu()
@@ -95,8 +98,8 @@ class EngineCore:
         self._families: dict[str, _Family] = {}  # by request id
         self._num_steps = 0
         logger.info(
-            "engine ready: %s on %s in %s, %d KV blocks of %d tokens, max_model_len %d",
-            config.model, self.device, self.compute.dtype.value, self.cache_shape.num_blocks,
+            "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+            config.model, self.compute.describe(), self.cache_shape.num_blocks,
             config.block_size, self.max_model_len,
         )
 
@@ -286,7 +289,7 @@ class EngineCore:
             num_total_kv_blocks=self.block_manager.num_total_blocks,
             num_free_slots=max(0, self.config.max_num_seqs - running - waiting),
             num_steps=self._num_steps,
-            compute=f"torch {self.device} {self.compute.dtype.value}",
+            compute=f"torch {self.compute.describe()}",
         )
 
 

@@ -26,7 +26,7 @@ def test_up_prints_a_working_key_and_url_then_status_and_down(tmp_path) -> None:
         assert oct((tmp_path / "demo-key").stat().st_mode & 0o777) == "0o600"
         reply = openai.OpenAI(base_url=base, api_key=key, max_retries=0).chat.completions.create(
             model="SmolLM2-135M-Instruct", max_tokens=12, temperature=0,
-            messages=[{"role": "user", "content": "What is the capital of France?"}])
+            messages=[{"role": "user", "content": "Which city is the capital of France?"}])
         assert "Paris" in reply.choices[0].message.content
         status = up.cli("status", "--state-dir", str(tmp_path))
         assert status.returncode == 0, status.stdout + status.stderr

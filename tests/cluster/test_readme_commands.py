@@ -81,7 +81,7 @@ def ask_capital(base_url: str, key: str) -> str:
     client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=120)
     reply = client.chat.completions.create(
         model=MODEL, max_tokens=12, temperature=0,
-        messages=[{"role": "user", "content": "What is the capital of France?"}])
+        messages=[{"role": "user", "content": "Which city is the capital of France?"}])
     return reply.choices[0].message.content or ""
 
 

@@ -248,7 +248,7 @@ def test_fairserve_up_answers_from_the_image(container: str) -> None:
         started = time.monotonic()
         reply = client.chat.completions.create(
             model="SmolLM2-135M-Instruct", max_tokens=32, temperature=0,
-            messages=[{"role": "user", "content": "What is the capital of France?"}])
+            messages=[{"role": "user", "content": "Which city is the capital of France?"}])
         _report(f"first chat completion: {time.monotonic() - started:.2f} s: "
                 f"{reply.choices[0].message.content!r}")
         assert "Paris" in (reply.choices[0].message.content or "")

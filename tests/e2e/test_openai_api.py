@@ -18,7 +18,7 @@ from tests.e2e.factories import MODEL, E2ECluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+FRANCE = [{"role": "user", "content": "Which city is the capital of France?"}]
 STORY_PROMPT = "Once upon a time, in a small village,"
 
 

@@ -18,7 +18,7 @@ from tests.e2e.factories import MODEL, E2ECluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+FRANCE = [{"role": "user", "content": "Which city is the capital of France?"}]
 COUNT = [{"role": "user", "content": "Count from one to twenty in words, separated by commas."}]
 PENALTIES = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.2}
 

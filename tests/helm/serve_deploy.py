@@ -53,7 +53,7 @@ def main(config_path: str, redis_url: str, password: str) -> int:
             f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
             headers={"Authorization": f"Bearer {key}"},
             json={"model": "SmolLM2-135M-Instruct", "max_tokens": 12, "temperature": 0,
-                  "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+                  "messages": [{"role": "user", "content": "Which city is the capital of France?"}]})
         print(RESULT + json.dumps({"status": status, "deploy_s": round(time.monotonic() - started, 1),
                           "code": reply.status_code, "body": reply.json()}), flush=True)
     finally:

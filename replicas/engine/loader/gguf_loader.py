@@ -111,6 +111,32 @@ def open_gguf(path: str) -> GGUFCheckpoint:
     return GGUFCheckpoint(path=path, config=config, tensors=tensors)
 
 
+def layer_weight_bits(path: str) -> int | None:
+    """Bits per weight of most of the file's decoder-layer matrices (by parameter count): 4 for
+    Q4_0/Q4_1/Q4_K (and Q4_K_M, whose few Q6_K tensors are outnumbered), 8 for Q8_0, 16 for
+    F16; ``None`` where the file cannot be read or holds no such tensors."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except _READ_ERRORS:
+        return None
+    counts: dict[int, int] = {}
+    for tensor in reader.tensors:
+        if tensor.name.startswith("blk.") and len(tensor.shape) == 2:
+            bits = _type_bits(tensor.tensor_type.name)
+            counts[bits] = counts.get(bits, 0) + int(tensor.n_elements)
+    return max(counts, key=lambda bits: counts[bits]) if counts else None
+
+
+def _type_bits(type_name: str) -> int:
+    """GGML type name -> bits of its codes (F32 32, F16/BF16 16, Q8_0 8, Q4_1 4, IQ2_XS 2)."""
+    match = re.match(r"I?Q(\d)", type_name)
+    if match:
+        return int(match.group(1))
+    return 32 if type_name == "F32" else 16
+
+
 def gguf_model_config(
     metadata: dict[str, Any], vocab_length: int | None, tensors: tuple[Any, ...], path: str
 ) -> ModelConfig:

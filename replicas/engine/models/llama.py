@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replicas.engine.attention import AttentionMetadata, KernelMetadata, paged_attention
+from replicas.engine.models.cpu_int4 import quantize_linears
 from replicas.engine.models.cpu_linear import pack_linears
 from replicas.engine.models.model_config import ModelConfig
 from replicas.engine.models.rope import rope_inv_freq
@@ -238,6 +239,12 @@ class LlamaForCausalLM(nn.Module):
                                      device="meta")
             self.lm_head.weight = self.embed_tokens.weight
         pack_linears(self)
+
+    def quantize_int4(self) -> None:
+        """The decoder layers' projections to 4-bit groups (models/cpu_int4.py), from the
+        float32 weights: call after ``load_weights``, before casting to bfloat16. The vocabulary
+        head stays as it is."""
+        quantize_linears(self.layers)
 
     def use_cpu_kernels(self) -> None:
         """Run ``forward`` through fairserve's CPU kernels (loaded by the caller); the runner

@@ -20,7 +20,7 @@ from replicas.engine.sampling_params import GuideKind, SamplingParams, Structure
 
 pytestmark = pytest.mark.slow
 
-CAPITAL = ({"role": "user", "content": "What is the capital of France?"},)
+CAPITAL = ({"role": "user", "content": "Which city is the capital of France?"},)
 STORY = ({"role": "user", "content": "Tell me a short story about a lighthouse keeper."},)
 
 

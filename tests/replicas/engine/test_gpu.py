@@ -18,7 +18,7 @@ def test_cuda_engine_answers_like_the_cpu_engine(dtype: str) -> None:
     request = GenerateRequest(
         "gpu",
         SamplingParams(max_tokens=20, temperature=0.0),
-        messages=({"role": "user", "content": "What is the capital of France?"},),
+        messages=({"role": "user", "content": "Which city is the capital of France?"},),
     )
     core.add(core.prepare(request))
     chunks = []

@@ -150,7 +150,7 @@ def test_capital_of_france(source) -> None:
     request = GenerateRequest(
         "paris",
         SamplingParams(max_tokens=20, temperature=0.0),
-        messages=({"role": "user", "content": "What is the capital of France?"},),
+        messages=({"role": "user", "content": "Which city is the capital of France?"},),
     )
     core.add(core.prepare(request))
     chunks: list[Chunk] = []

@@ -57,7 +57,7 @@ from replicas.engine.sampling_params import (  # noqa: E402
 )
 from replicas.engine.vllm import VLLMEngine  # noqa: E402
 
-CAPITAL = ({"role": "user", "content": "What is the capital of France?"},)
+CAPITAL = ({"role": "user", "content": "Which city is the capital of France?"},)
 STORY = ({"role": "user", "content": "Tell me a short story about a lighthouse keeper."},)
 JSON_ASK = ({"role": "user", "content": "Describe a person as JSON with name, age and city."},)
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],

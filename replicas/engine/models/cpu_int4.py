@@ -1,0 +1,80 @@
+"""Weight-only int4 linear layers for CPU decoding (``engine.quantization: int4``).
+
+NOTE: at one sequence a decode step streams every weight once and computes little: on a 2-core
+Xeon the 30 layers' bfloat16 projections take ~14 ms, at the memory's ~17 GB/s. A GGUF file
+such as the default SmolLM2 Q4_1 holds those weights in 4 bits (groups of 32 with a scale and a
+minimum); keeping them so reads a quarter of the bytes: 4.5 ms for the same 30 layers at 1 row
+(torch's ``_weight_int4pack_mm_for_cpu``, bfloat16 activations). The kernel is slower than
+AMX bfloat16 from ~12 rows up (22.6 vs ~16 ms at 16 rows, 43 vs ~28 at 32), so it is a trade of
+full-batch throughput for the lone stream; the README's CPU table has both.
+
+Quantization: each group of 32 input weights of an output row maps to 4-bit codes q with
+``w = (q - 8) * scale + zero`` (the kernel's form), ``scale = (max - min) / 15`` and
+``zero = min + 8 * scale``. A Q4_1 block is ``d * q + m`` with its minimum at q = 0 and its
+maximum at q = 15, so from the file's dequantized float32 weights this recovers the file's own
+codes, and the only loss is ``scale`` and ``zero`` kept in bfloat16. The vocabulary head (the
+tied embedding) stays bfloat16: it is a quarter of the bytes, and its rounding shows directly in
+the logits. The kernel computes each row alone (the same bits at any row count: tested), so
+fairserve's batch-invariance promise holds. Its quality against the float32 engine is measured
+by ``replicas/engine/quality.py`` and held to thresholds by tests.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+GROUP_SIZE = 32
+INNER_K_TILES = 2
+
+
+def can_quantize(linear: nn.Module) -> bool:
+    return (isinstance(linear, nn.Linear) and linear.in_features % (GROUP_SIZE * INNER_K_TILES) == 0
+            and linear.out_features % 16 == 0
+            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+
+
+def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, in) float weight -> codes (out, in) int32 in 0..15, scale and zero (out, in/32)."""
+    out_features, in_features = weight.shape
+    groups = weight.float().view(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = (high - low) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: all q = 0
+    codes = torch.round((groups - low[..., None]) / safe[..., None]).clamp(0, 15)
+    return codes.to(torch.int32).view(out_features, in_features), scale, low + 8 * scale
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + b with W in 4-bit groups of 32; x is (rows, in) bfloat16."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        codes, scale, zero = quantize_groups(weight.detach())
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INNER_K_TILES)
+        # (in / 32, out, 2): the kernel's layout of per-group scale and zero
+        scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.register_buffer("packed_weight", packed, persistent=False)
+        self.register_buffer("scale_zero", scale_zero, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.contiguous(), self.packed_weight, GROUP_SIZE, self.scale_zero)
+        return out if self.bias is None else out + self.bias
+
+
+def quantize_linears(module: nn.Module) -> int:
+    """Replace every ``nn.Linear`` below ``module`` that the kernel takes by an ``Int4Linear``
+    (from its float32 weights: call before casting the model); returns how many."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            if can_quantize(child):
+                setattr(module, name, Int4Linear(child.weight, child.bias))
+                count += 1
+        else:
+            count += quantize_linears(child)
+    return count

@@ -1,0 +1,73 @@
+"""Weight-only int4 layers (replicas/engine/models/cpu_int4.py): a Q4_1-style block comes back as
+its own codes, the layer computes the dequantized product, and a row's result does not depend
+on the rows beside it; and where ``quantization: auto`` picks int4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from replicas.engine.config import DType, EngineConfig, Quantization
+from replicas.engine.device_choice import ComputeChoice, resolve_quantization
+from replicas.engine.loader.gguf_loader import layer_weight_bits
+from replicas.engine.models.cpu_int4 import GROUP_SIZE, Int4Linear, can_quantize, quantize_groups
+
+CPU = torch.device("cpu")
+
+
+def q4_1_weight(out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights as a Q4_1 file dequantizes them (d * q + m per group of 32, codes 0..15 with
+    both ends used), and their codes."""
+    torch.manual_seed(out_features)
+    groups = in_features // GROUP_SIZE
+    codes = torch.randint(0, 16, (out_features, groups, GROUP_SIZE))
+    codes[..., 0], codes[..., 1] = 0, 15
+    d = torch.rand(out_features, groups, 1).half().float() * 0.02 + 1e-3
+    m = -torch.rand(out_features, groups, 1).half().float() * 0.1
+    return (codes * d + m).view(out_features, in_features), codes.view(out_features, in_features)
+
+
+def test_a_q4_1_block_is_quantized_back_to_its_codes() -> None:
+    weight, codes = q4_1_weight(64, 576)
+    got, _, _ = quantize_groups(weight)
+    assert torch.equal(got, codes.to(torch.int32))
+
+
+@pytest.mark.skipif(not can_quantize(nn.Linear(64, 16)), reason="torch has no CPU int4 kernel")
+def test_int4_linear_computes_the_dequantized_product_row_by_row() -> None:
+    weight, _ = q4_1_weight(960, 576)
+    layer = Int4Linear(weight, None)
+    x = torch.randn(40, 576).bfloat16()
+    full = layer(x)
+    expected = x.float() @ weight.t()
+    # the only loss: bfloat16 scale and zero, bfloat16 output
+    torch.testing.assert_close(full.float(), expected, rtol=2e-2, atol=2e-2)
+    for start, rows in ((0, 1), (7, 1), (3, 16), (5, 33)):
+        assert torch.equal(layer(x[start:start + rows]), full[start:start + rows])
+
+
+def _choice(dtype: DType, kernels: bool = True, device: str = "cpu") -> ComputeChoice:
+    return ComputeChoice(torch.device(device), dtype, "test", kernels)
+
+
+def test_auto_picks_int4_only_for_a_4_bit_file_on_a_bfloat16_cpu_engine() -> None:
+    auto = Quantization.AUTO
+    assert resolve_quantization(auto, _choice(DType.BFLOAT16), 4)[0] is Quantization.INT4
+    for choice, bits in ((_choice(DType.BFLOAT16), 8), (_choice(DType.BFLOAT16), None),
+                         (_choice(DType.FLOAT32), 4), (_choice(DType.BFLOAT16, False), 4),
+                         (_choice(DType.BFLOAT16, device="cuda"), 4)):
+        quantization, reason = resolve_quantization(auto, choice, bits)
+        assert quantization is Quantization.NONE and reason
+    assert resolve_quantization(Quantization.NONE, _choice(DType.BFLOAT16), 4)[0] is Quantization.NONE
+
+
+def test_int4_asked_where_it_cannot_run_is_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="quantization int4 needs a CPU engine in bfloat16"):
+        resolve_quantization(Quantization.INT4, _choice(DType.FLOAT32), 4)
+    quantization, _ = resolve_quantization(Quantization.INT4, _choice(DType.BFLOAT16), 16)
+    assert quantization is Quantization.INT4
+
+
+def test_the_default_model_file_is_4_bit() -> None:
+    assert layer_weight_bits(EngineConfig().model) == 4
