@@ -47,6 +47,9 @@ class KernelMetadata:
     slot_mapping: torch.Tensor  # (num_tokens,) long: block_id * block_size + offset
     token_seq: torch.Tensor  # (num_tokens,) long: the token's row in block_tables
     block_tables: torch.Tensor  # (num_seqs, max_blocks) long, padded with 0
+    # rows [0, num_generated) hold generated tokens (decodes, resumed or recomputed output),
+    # the rest prompt tokens: int4 engines compute the two with different weights
+    num_generated: int = 0
 
 
 def paged_attention(

@@ -61,13 +61,18 @@ class Block:
 class BlockManager:
     """Allocates fixed-size KV blocks to sequences and shares cached prefix blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 keys_token_kinds: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # An int4 engine computes prompt and generated tokens with different weights
+        # (models/cpu_int4.py), so a block's KV depends on where its sequence's prompt ends:
+        # blocks holding generated tokens are keyed with that boundary too.
+        self.keys_token_kinds = keys_token_kinds
         self.blocks: list[Block] = [Block(block_id=i) for i in range(num_blocks)]
         # Blocks with ref_count 0, least recently freed first (values unused).
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -108,7 +113,7 @@ class BlockManager:
         assert seq.num_computed_tokens == 0, "allocate_prefix on a partly computed seq"
         if not self.enable_prefix_caching:
             return 0
-        hit_blocks, hit_hashes = self._find_cached_prefix(seq.token_ids)
+        hit_blocks, hit_hashes = self._find_cached_prefix(seq.token_ids, seq.num_prompt_tokens)
         for block in hit_blocks:
             self._take_ref(block)
         seq.block_ids = [block.block_id for block in hit_blocks]
@@ -142,7 +147,7 @@ class BlockManager:
         assert num_full_blocks <= len(seq.block_ids), "computed tokens beyond the block table"
         for index in range(len(seq.block_hashes), num_full_blocks):
             parent_hash = seq.block_hashes[index - 1] if index else None
-            token_ids = self._block_token_ids(seq.token_ids, index)
+            token_ids = self._block_token_ids(seq.token_ids, index, seq.num_prompt_tokens)
             block_hash = hash_block_tokens(parent_hash, token_ids)
             seq.block_hashes.append(block_hash)
             if block_hash in self.hash_to_block_id:
@@ -187,21 +192,23 @@ class BlockManager:
         for block_hash, block_id in self.hash_to_block_id.items():
             block = self.blocks[block_id]
             assert block.block_hash == block_hash, f"hash entry of block {block_id} is stale"
-            assert block.token_ids is not None and len(block.token_ids) == self.block_size
+            assert block.token_ids is not None
+            assert len([t for t in block.token_ids if t >= 0]) == self.block_size
             assert hash_block_tokens(block.parent_hash, block.token_ids) == block_hash
         num_hashed = sum(1 for block in self.blocks if block.block_hash is not None)
         assert num_hashed == len(self.hash_to_block_id), "a block carries an unregistered hash"
 
     # --- helpers ------------------------------------------------------------------------------
 
-    def _find_cached_prefix(self, token_ids: list[int]) -> tuple[list[Block], list[int]]:
+    def _find_cached_prefix(self, token_ids: list[int],
+                            num_prompt_tokens: int) -> tuple[list[Block], list[int]]:
         # Full blocks within the first num_tokens - 1 tokens: one token is always computed.
         max_hit_blocks = (len(token_ids) - 1) // self.block_size
         hit_blocks: list[Block] = []
         hit_hashes: list[int] = []
         parent_hash: int | None = None
         for index in range(max_hit_blocks):
-            block_tokens = self._block_token_ids(token_ids, index)
+            block_tokens = self._block_token_ids(token_ids, index, num_prompt_tokens)
             block_hash = hash_block_tokens(parent_hash, block_tokens)
             block_id = self.hash_to_block_id.get(block_hash)
             if block_id is None:
@@ -214,9 +221,16 @@ class BlockManager:
             parent_hash = block_hash
         return hit_blocks, hit_hashes
 
-    def _block_token_ids(self, token_ids: list[int], index: int) -> tuple[int, ...]:
+    def _block_token_ids(self, token_ids: list[int], index: int,
+                         num_prompt_tokens: int) -> tuple[int, ...]:
+        """The block's tokens; with ``keys_token_kinds``, a block holding generated tokens ends
+        with a marker (negative: no token id) saying how many of its tokens are prompt."""
         start = index * self.block_size
-        return tuple(token_ids[start : start + self.block_size])
+        tokens = tuple(token_ids[start : start + self.block_size])
+        num_prompt_in_block = min(max(num_prompt_tokens - start, 0), self.block_size)
+        if self.keys_token_kinds and num_prompt_in_block < self.block_size:
+            return (*tokens, -1 - num_prompt_in_block)
+        return tokens
 
     def _take_ref(self, block: Block) -> None:
         if block.ref_count == 0:

@@ -73,11 +73,12 @@ def resolve_quantization(requested: Quantization, choice: ComputeChoice,
     if requested is Quantization.NONE:
         return Quantization.NONE, "set in the settings"
     if requested is Quantization.INT4:
-        if not runs_int4:
+        if not (runs_int4 and choice.uses_cpu_kernels):
             raise ValueError(
-                f"engine.quantization int4 needs a CPU engine in bfloat16 (this one runs on "
-                f"{choice.device} in {choice.dtype.value}); set dtype bfloat16 on a CPU with "
-                "native bf16, or quantization none")
+                f"engine.quantization int4 needs a CPU engine in bfloat16 with fairserve's CPU "
+                f"kernels (this one runs on {choice.device} in {choice.dtype.value}, kernels "
+                f"{'on' if choice.uses_cpu_kernels else 'off'}); set dtype bfloat16 on a CPU "
+                "with native bf16 and cpu_kernels true, or quantization none")
         return Quantization.INT4, "set in the settings"
     if not (runs_int4 and choice.uses_cpu_kernels):
         return Quantization.NONE, "int4 runs only on a CPU engine in bfloat16 with its kernels"

@@ -85,7 +85,8 @@ class EngineCore:
         self.cache_shape = self._cache_shape()  # after the weights: a GPU's budget is what is left
         self.runner = ModelRunner(model, self.cache_shape, self.device, self.dtype)
         self.block_manager = BlockManager(
-            self.cache_shape.num_blocks, config.block_size, config.enable_prefix_caching
+            self.cache_shape.num_blocks, config.block_size, config.enable_prefix_caching,
+            keys_token_kinds=self.compute.quantization is Quantization.INT4,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), self.block_manager

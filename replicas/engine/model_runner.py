@@ -115,27 +115,38 @@ class ModelRunner:
     def _prepare_for_kernels(
         self, ordered: list[ScheduledSeq], scheduled: list[ScheduledSeq]
     ) -> StepBatch:
+        """Rows of generated tokens (position >= the sequence's prompt length: decodes, and the
+        output part of a resumed or recomputed sequence) first, then prompt tokens; the kernels
+        take any row order, and an int4 engine computes the two parts with different weights."""
         bs = self.cache.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         token_seq: list[int] = []
+        last_position = {id(s): s.seq.num_computed_tokens + s.num_new_tokens - 1 for s in ordered}
         row_of: dict[int, int] = {}
-        for index, s in enumerate(ordered):
-            start, end = s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens
-            blocks = s.seq.block_ids
-            input_ids.extend(s.seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            token_seq.extend([index] * (end - start))
-            row_of[id(s)] = len(input_ids) - 1
+        for generated in (True, False):
+            if not generated:
+                num_generated = len(input_ids)
+            for index, s in enumerate(ordered):
+                start, end = s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens
+                cut = min(max(s.seq.num_prompt_tokens, start), end)
+                lo, hi = (cut, end) if generated else (start, cut)
+                if lo == hi:
+                    continue
+                input_ids.extend(s.seq.token_ids[lo:hi])
+                positions.extend(range(lo, hi))
+                token_seq.extend([index] * (hi - lo))
+                if lo <= last_position[id(s)] < hi:
+                    row_of[id(s)] = len(input_ids) - 1
+        slots = [ordered[i].seq.block_ids[p // bs] * bs + p % bs
+                 for i, p in zip(token_seq, positions, strict=True)]
         num_blocks = [-(-(s.seq.num_computed_tokens + s.num_new_tokens) // bs) for s in ordered]
         width = max(num_blocks)
         tables = [s.seq.block_ids[:n] + [0] * (width - n) for s, n in zip(ordered, num_blocks,
                                                                          strict=True)]
         positions_t = self._tensor(positions)
         meta = KernelMetadata(positions_t, self._tensor(slots), self._tensor(token_seq),
-                              self._tensor(tables))
+                              self._tensor(tables), num_generated)
         sample_rows = [row_of[id(s)] for s in scheduled if s.is_sampling]
         return StepBatch(self._tensor(input_ids), positions_t, meta, self._tensor(sample_rows))
 

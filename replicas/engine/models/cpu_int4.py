@@ -4,9 +4,15 @@ NOTE: at one sequence a decode step streams every weight once and computes littl
 Xeon the 30 layers' bfloat16 projections take ~14 ms, at the memory's ~17 GB/s. A GGUF file
 such as the default SmolLM2 Q4_1 holds those weights in 4 bits (groups of 32 with a scale and a
 minimum); keeping them so reads a quarter of the bytes: 4.5 ms for the same 30 layers at 1 row
-(torch's ``_weight_int4pack_mm_for_cpu``, bfloat16 activations). The kernel is slower than
-AMX bfloat16 from ~12 rows up (22.6 vs ~16 ms at 16 rows, 43 vs ~28 at 32), so it is a trade of
-full-batch throughput for the lone stream; the README's CPU table has both.
+(torch's ``_weight_int4pack_mm_for_cpu``, bfloat16 activations). But the kernel does not use
+AMX: it is slower than bfloat16 from ~12 rows up (22.6 vs ~16 ms at 16 rows, 43 vs ~28 at 32)
+and far slower on prefill chunks of hundreds of rows. So an int4 engine keeps both: generated
+tokens (decode rows, bound by reading the weights) go through int4, prompt tokens (prefill,
+bound by arithmetic) through the packed bfloat16 weights (``SplitLinear``). Which weights a
+token sees depends only on whether it is past its sequence's prompt, never on the batch or the
+step, so a resumed request (prompt, then its sent tokens recomputed as output) and a recomputed
+one rebuild exactly the KV they had; the prefix cache keys blocks of generated tokens with that
+boundary (block_manager.py). The cost: both copies in memory (bfloat16 + a quarter of it).
 
 Quantization: each group of 32 input weights of an output row maps to 4-bit codes q with
 ``w = (q - 8) * scale + zero`` (the kernel's form), ``scale = (max - min) / 15`` and
@@ -66,15 +72,35 @@ class Int4Linear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-def quantize_linears(module: nn.Module) -> int:
-    """Replace every ``nn.Linear`` below ``module`` that the kernel takes by an ``Int4Linear``
+class SplitLinear(nn.Module):
+    """One projection held twice: int4 for the rows of generated tokens (decodes: one row per
+    sequence, bound by reading the weights) and dense for prompt rows (prefill chunks: many
+    rows, bound by arithmetic, where AMX bfloat16 is ~10x the int4 kernel). The flat batch puts
+    generated-token rows first (model_runner.py), so the split is a slice."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.int4 = Int4Linear(linear.weight, linear.bias)
+        self.dense = linear  # packed by pack_linears with the rest
+
+    def forward(self, x: torch.Tensor, num_generated: int) -> torch.Tensor:
+        # (rows, in) -> (rows, out); rows [0, num_generated) are generated tokens
+        if num_generated == 0:
+            return self.dense(x)
+        if num_generated == x.shape[0]:
+            return self.int4(x)
+        return torch.cat([self.int4(x[:num_generated]), self.dense(x[num_generated:])])
+
+
+def split_linears(module: nn.Module) -> int:
+    """Replace every ``nn.Linear`` below ``module`` that the kernel takes by a ``SplitLinear``
     (from its float32 weights: call before casting the model); returns how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
             if can_quantize(child):
-                setattr(module, name, Int4Linear(child.weight, child.bias))
+                setattr(module, name, SplitLinear(child))
                 count += 1
         else:
-            count += quantize_linears(child)
+            count += split_linears(child)
     return count

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replicas.engine.attention import AttentionMetadata, KernelMetadata, paged_attention
-from replicas.engine.models.cpu_int4 import quantize_linears
+from replicas.engine.models.cpu_int4 import SplitLinear, split_linears
 from replicas.engine.models.cpu_linear import pack_linears
 from replicas.engine.models.model_config import ModelConfig
 from replicas.engine.models.rope import rope_inv_freq
@@ -156,6 +156,12 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _project(linear: nn.Module, x: torch.Tensor, num_generated: int) -> torch.Tensor:
+    if isinstance(linear, SplitLinear):
+        return linear(x, num_generated)
+    return linear(x)
+
+
 class LlamaForCausalLM(nn.Module):
     """The decoder. Built with its parameters allocated but not initialised (only the rotary
     tables are computed): ``load_weights`` fills every one, and raises if any is missing."""
@@ -206,15 +212,18 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.float_tables()
         x = self.embed_tokens(input_ids)  # (num_tokens, hidden), the residual stream
         layers = self.layers
+        g = meta.num_generated
         h = ops.rms_norm(x, layers[0].input_layernorm.weight, eps)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
-            attn = layer.self_attn
+            attn, mlp = layer.self_attn, layer.mlp
             a = ops.paged_attention(
-                attn.qkv_proj(h), meta.positions, cos, sin, k_cache, v_cache, meta.slot_mapping,
-                meta.token_seq, meta.block_tables, cfg.num_heads, cfg.num_kv_heads, window, scale,
+                _project(attn.qkv_proj, h, g), meta.positions, cos, sin, k_cache, v_cache,
+                meta.slot_mapping, meta.token_seq, meta.block_tables, cfg.num_heads,
+                cfg.num_kv_heads, window, scale,
             )
-            h = ops.add_rms_norm(x, attn.o_proj(a), layer.post_attention_layernorm.weight, eps)
-            m = layer.mlp.down_proj(ops.silu_mul(layer.mlp.gate_up_proj(h)))
+            h = ops.add_rms_norm(x, _project(attn.o_proj, a, g),
+                                 layer.post_attention_layernorm.weight, eps)
+            m = _project(mlp.down_proj, ops.silu_mul(_project(mlp.gate_up_proj, h, g)), g)
             if i + 1 < len(layers):
                 h = ops.add_rms_norm(x, m, layers[i + 1].input_layernorm.weight, eps)
             else:
@@ -241,10 +250,11 @@ class LlamaForCausalLM(nn.Module):
         pack_linears(self)
 
     def quantize_int4(self) -> None:
-        """The decoder layers' projections to 4-bit groups (models/cpu_int4.py), from the
-        float32 weights: call after ``load_weights``, before casting to bfloat16. The vocabulary
-        head stays as it is."""
-        quantize_linears(self.layers)
+        """The decoder layers' projections also in 4-bit groups, for generated-token rows
+        (models/cpu_int4.py ``SplitLinear``), from the float32 weights: call after
+        ``load_weights``, before casting to bfloat16; runs only through the CPU kernels. The
+        vocabulary head stays as it is."""
+        split_linears(self.layers)
 
     def use_cpu_kernels(self) -> None:
         """Run ``forward`` through fairserve's CPU kernels (loaded by the caller); the runner

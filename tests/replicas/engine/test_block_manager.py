@@ -6,6 +6,7 @@ import pytest
 
 from replicas.engine import block_manager as block_manager_module
 from replicas.engine.block_manager import BlockManager
+from replicas.engine.sampling_params import SamplingParams
 from replicas.engine.sequence import Sequence
 from tests.replicas.engine.factories import make_sequence
 
@@ -298,3 +299,33 @@ def test_reset_prefix_cache_forgets_every_hash() -> None:
     assert bm.allocate_prefix(make_sequence("b", token_ids=list(first.token_ids))) == 0
     bm.free(first)
     bm.check_invariants()
+
+
+def test_with_token_kinds_a_block_of_generated_tokens_is_shared_only_with_the_same_boundary() -> None:
+    """int4 engines compute prompt and generated tokens with different weights: a block that
+    holds generated tokens is reused by a sequence whose prompt ends at the same place (a
+    resumed or recomputed request), never as prompt of another (the next turn of a chat)."""
+    bm = BlockManager(num_blocks=16, block_size=4, keys_token_kinds=True)
+    first = Sequence.from_prompt("a", list(range(8)), SamplingParams())
+    assert bm.allocate_prefix(first) == 0
+    first.token_ids.extend([100, 101, 102, 103, 104])  # 5 generated tokens
+    bm.allocate_slots(first, first.num_tokens)
+    bm.cache_full_blocks(first, 12)
+    bm.check_invariants()
+    # the same request resumed: prompt 8 tokens + its 5 sent tokens -> all 3 full blocks hit
+    resumed = Sequence.from_prompt("a2", list(range(8)), SamplingParams())
+    resumed.token_ids.extend([100, 101, 102, 103, 104])
+    assert bm.allocate_prefix(resumed) == 12
+    # a next turn whose prompt holds the same 13 tokens: only the prompt-only blocks hit
+    next_turn = Sequence.from_prompt("b", [*range(8), 100, 101, 102, 103, 104], SamplingParams())
+    assert bm.allocate_prefix(next_turn) == 8
+    bm.check_invariants()
+    # without token kinds (float32, bfloat16) the next turn reuses all three blocks
+    plain = BlockManager(num_blocks=16, block_size=4)
+    seq = Sequence.from_prompt("a", list(range(8)), SamplingParams())
+    plain.allocate_prefix(seq)
+    seq.token_ids.extend([100, 101, 102, 103, 104])
+    plain.allocate_slots(seq, seq.num_tokens)
+    plain.cache_full_blocks(seq, 12)
+    again = Sequence.from_prompt("b", [*range(8), 100, 101, 102, 103, 104], SamplingParams())
+    assert plain.allocate_prefix(again) == 12

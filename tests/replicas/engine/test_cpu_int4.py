@@ -63,7 +63,7 @@ def test_auto_picks_int4_only_for_a_4_bit_file_on_a_bfloat16_cpu_engine() -> Non
 
 
 def test_int4_asked_where_it_cannot_run_is_refused_with_the_reason() -> None:
-    with pytest.raises(ValueError, match="quantization int4 needs a CPU engine in bfloat16"):
+    with pytest.raises(ValueError, match="quantization int4 needs a CPU engine in bfloat16 with"):
         resolve_quantization(Quantization.INT4, _choice(DType.FLOAT32), 4)
     quantization, _ = resolve_quantization(Quantization.INT4, _choice(DType.BFLOAT16), 16)
     assert quantization is Quantization.INT4
@@ -71,3 +71,22 @@ def test_int4_asked_where_it_cannot_run_is_refused_with_the_reason() -> None:
 
 def test_the_default_model_file_is_4_bit() -> None:
     assert layer_weight_bits(EngineConfig().model) == 4
+
+
+@pytest.mark.skipif(not can_quantize(nn.Linear(64, 16)), reason="torch has no CPU int4 kernel")
+def test_split_linear_computes_generated_rows_in_int4_and_prompt_rows_dense() -> None:
+    from replicas.engine.models.cpu_int4 import SplitLinear
+    from replicas.engine.models.cpu_linear import PackedLinear
+
+    weight, _ = q4_1_weight(576, 576)
+    linear = nn.Linear(576, 576, bias=False)
+    linear.weight.data = weight
+    split = SplitLinear(linear)
+    split.dense = PackedLinear(weight.to(torch.bfloat16), None)  # as pack_for_cpu leaves it
+    x = torch.randn(21, 576).bfloat16()
+    for num_generated in (0, 1, 5, 21):
+        out = split(x, num_generated)
+        assert torch.equal(out[:num_generated], split.int4(x[:num_generated]))
+        assert torch.equal(out[num_generated:], split.dense(x[num_generated:]))
+    # the two weights differ in their rounding, not in what they compute
+    torch.testing.assert_close(split(x, 21).float(), split(x, 0).float(), rtol=3e-2, atol=3e-2)
