@@ -121,11 +121,12 @@ class EngineConfig(BaseModel):
     )
     quantization: Quantization = Field(
         default=Quantization.AUTO,
-        description="Weights of the decoder layers. int4: 4-bit groups of 32 (a CPU engine in "
-        "bfloat16): a quarter of the bytes each decode step reads, ~1.7x one stream's speed, "
-        "~0.8x a full batch's. auto: int4 where the model file's layers are 4-bit already (a "
-        "Q4 GGUF such as the default) and the CPU runs bfloat16 with fairserve's kernels; none "
-        "elsewhere.",
+        description="Weights of the decoder layers. int4: generated tokens through a copy in "
+        "4-bit groups of 32, prompts through bfloat16 (a CPU engine in bfloat16 with "
+        "fairserve's kernels): a quarter of the bytes each decode step reads, ~1.7x one "
+        "stream's decode speed, ~0.7x a full batch's. auto: int4 where the model file's layers "
+        "are 4-bit already (a Q4 GGUF such as the default) and the CPU runs bfloat16 with the "
+        "kernels; none elsewhere.",
     )
     cpu_kernels: bool = Field(
         default=True,
