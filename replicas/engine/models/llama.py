@@ -9,6 +9,7 @@ arrive under Hugging Face's unfused names and ``load_weights`` packs them.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -211,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
         scale = cfg.head_dim ** -0.5
         cos, sin = self.rotary.float_tables()
         x = self.embed_tokens(input_ids)  # (num_tokens, hidden), the residual stream
-        layers = self.layers
+        layers = cast(list[DecoderLayer], list(self.layers))
         g = meta.num_generated
         h = ops.rms_norm(x, layers[0].input_layernorm.weight, eps)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
