@@ -7,8 +7,7 @@ import time
 from pathlib import Path
 
 from replicas.engine.config import DType, EngineConfig
-from replicas.engine.device_choice import resolve_device
-from replicas.engine.engine_core import TORCH_DTYPES
+from replicas.engine.device_choice import TORCH_DTYPES, resolve_device
 from replicas.engine.kv_budget import DEFAULT_CPU_KV_BYTES
 from replicas.engine.loader import load_model_source
 from replicas.engine.model_runner import CacheShape

@@ -191,6 +191,15 @@ class EngineConfig(BaseModel):
     def _check_budget(self) -> EngineConfig:
         if self.kind is EngineKind.VLLM and self.device == "cpu":
             raise ValueError("engine.kind vllm runs on a GPU only; device is cpu")
+        if self.quantization is Quantization.INT4:
+            blockers = [f"{name} is {value}" for name, value, ok in (
+                ("device", self.device, self.device in (AUTO, "cpu")),
+                ("dtype", self.dtype.value, self.dtype in (DType.AUTO, DType.BFLOAT16)),
+                ("cpu_kernels", "false", self.cpu_kernels),
+                ("kind", self.kind.value, self.kind is EngineKind.TORCH)) if not ok]
+            if blockers:
+                raise ValueError("engine.quantization int4 runs on a CPU torch engine in bfloat16 "
+                                 f"with the CPU kernels; {', '.join(blockers)}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "

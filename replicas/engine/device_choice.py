@@ -27,9 +27,12 @@ import torch
 
 from replicas.engine import kernels
 from replicas.engine.config import AUTO, DType, EngineConfig, Quantization
+from replicas.engine.models.cpu_int4 import has_int4_kernel
+from replicas.engine.models.cpu_linear import can_pack
 
 logger = logging.getLogger(__name__)
 
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # /proc/cpuinfo names
 CPUINFO = Path("/proc/cpuinfo")
 
@@ -69,7 +72,7 @@ def resolve_quantization(requested: Quantization, choice: ComputeChoice,
     (``loader.gguf_loader.layer_weight_bits``; None: not a GGUF). Raises ``ValueError`` naming
     the setting when int4 is asked where it cannot run."""
     runs_int4 = (choice.device.type == "cpu" and choice.dtype is DType.BFLOAT16
-                 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+                 and has_int4_kernel())
     if requested is Quantization.NONE:
         return Quantization.NONE, "set in the settings"
     if requested is Quantization.INT4:
@@ -133,7 +136,8 @@ def choose(config: EngineConfig) -> ComputeChoice:
     flags = cpu_flags() if device.type == "cpu" else frozenset()
     has_kernels = device.type == "cpu" and config.cpu_kernels and kernels.cpu_ops().is_available
     dtype, reason = resolve_dtype(config.dtype, device, flags, has_kernels)
-    uses_kernels = has_kernels and dtype in (DType.FLOAT32, DType.BFLOAT16)
+    # the kernels take the packed linears' 2-D rows (models/llama.py): float32 and bfloat16
+    uses_kernels = has_kernels and can_pack(device, TORCH_DTYPES[dtype.value])
     logger.info("engine computes on %s in %s%s: %s", device, dtype.value,
                 " with fairserve's CPU kernels" if uses_kernels else "", reason)
     return ComputeChoice(device, dtype, reason, uses_kernels)

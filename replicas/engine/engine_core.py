@@ -12,8 +12,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
-
 from replicas.engine import device_choice, kv_budget
 from replicas.engine.block_manager import BlockManager
 from replicas.engine.config import EngineConfig, Quantization
@@ -34,7 +32,6 @@ from replicas.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +66,7 @@ class EngineCore:
         self.tokenizer: Tokenizer = source.tokenizer
         self.compute = device_choice.choose(config)
         self.device = self.compute.device
-        self.dtype = TORCH_DTYPES[self.compute.dtype.value]
+        self.dtype = device_choice.TORCH_DTYPES[self.compute.dtype.value]
         model_max = source.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_max, model_max)
         model = LlamaForCausalLM(source.config, max_positions=self.max_model_len)

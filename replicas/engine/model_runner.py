@@ -73,6 +73,8 @@ class ModelRunner:
     def _prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
         decodes = [s for s in scheduled if _is_decode(s)]
         prefills = [s for s in scheduled if not _is_decode(s)]
+        if self.model.uses_cpu_kernels:
+            return self._prepare_for_kernels(decodes + prefills, scheduled)
         bs = self.cache.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -84,8 +86,6 @@ class ModelRunner:
             input_ids.append(s.seq.token_ids[pos])
             positions.append(pos)
             slots.append(s.seq.block_ids[pos // bs] * bs + pos % bs)
-        if self.model.uses_cpu_kernels:
-            return self._prepare_for_kernels(decodes + prefills, scheduled)
         spans = []
         for s in prefills:
             start, end = s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens

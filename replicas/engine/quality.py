@@ -21,8 +21,6 @@ import argparse
 import statistics
 from dataclasses import dataclass
 
-import torch
-
 from replicas.engine.config import DType, EngineConfig, Quantization
 from replicas.engine.engine_core import EngineCore
 from replicas.engine.interface import Chunk, GenerateRequest
@@ -118,7 +116,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=48)
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     reference = answers(EngineConfig(dtype=DType.FLOAT32, quantization=Quantization.NONE),
                         args.tokens)
     print(f"{len(PROMPTS)} prompts, {args.tokens} greedy tokens each, against float32")

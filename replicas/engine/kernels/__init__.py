@@ -1,7 +1,7 @@
 """fairserve's CPU kernels (``cpu_ops.cpp``), compiled for this machine on first use.
 
 NOTE: the kernels are compiled by torch's C++ extension builder (g++ and ninja) with
-``-march=native`` the first time an engine on this machine needs them (about a minute on 2
+``-march=native`` the first time an engine on this machine needs them (about 11 s on 2
 cores), into ``~/.cache/fairserve/kernels/<key>``; ``key`` hashes the source, torch's version,
 the compiler and the CPU's flags, so a cache copied to another CPU (or an image run on another
 machine) is rebuilt, never run with instructions the CPU lacks. Concurrent replicas wait on

@@ -34,10 +34,13 @@ GROUP_SIZE = 32
 INNER_K_TILES = 2
 
 
+def has_int4_kernel() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
 def can_quantize(linear: nn.Module) -> bool:
     return (isinstance(linear, nn.Linear) and linear.in_features % (GROUP_SIZE * INNER_K_TILES) == 0
-            and linear.out_features % 16 == 0
-            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+            and linear.out_features % 16 == 0 and has_int4_kernel())
 
 
 def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

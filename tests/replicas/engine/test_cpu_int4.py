@@ -90,3 +90,12 @@ def test_split_linear_computes_generated_rows_in_int4_and_prompt_rows_dense() ->
         assert torch.equal(out[num_generated:], split.dense(x[num_generated:]))
     # the two weights differ in their rounding, not in what they compute
     torch.testing.assert_close(split(x, 21).float(), split(x, 0).float(), rtol=3e-2, atol=3e-2)
+
+
+def test_int4_set_where_it_cannot_run_is_refused_when_the_settings_are_read() -> None:
+    for bad, named in (({"dtype": "float32"}, "dtype is float32"),
+                       ({"device": "cuda"}, "device is cuda"),
+                       ({"cpu_kernels": False}, "cpu_kernels is false")):
+        with pytest.raises(ValueError, match=named):
+            EngineConfig(quantization="int4", **bad)
+    assert EngineConfig(quantization="int4").quantization is Quantization.INT4

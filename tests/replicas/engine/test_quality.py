@@ -34,9 +34,9 @@ def test_configuration_is_close_to_float32(reference, name: str) -> None:
     assert report.num_exact >= 1, report
 
 
-def test_the_measure_sees_a_broken_quantization(reference) -> None:
-    """int4 codes read with the wrong zero point (every weight shifted by 8 steps): the report
-    must fail the thresholds, or they would pass anything."""
+def test_the_measure_sees_a_broken_quantization(reference, monkeypatch) -> None:
+    """int4 codes read with the wrong zero point (every weight shifted by 8 steps), a fault put
+    into the real quantizer: the report must fail the thresholds, or they would pass anything."""
     from replicas.engine.models import cpu_int4
 
     original = cpu_int4.quantize_groups
@@ -45,11 +45,9 @@ def test_the_measure_sees_a_broken_quantization(reference) -> None:
         codes, scale, zero = original(weight)
         return codes, scale, zero - 8 * scale
 
-    cpu_int4.quantize_groups = shifted
-    try:
-        broken = answers(candidates()["bfloat16 int4"], NUM_TOKENS)
-    finally:
-        cpu_int4.quantize_groups = original
+    monkeypatch.setattr(cpu_int4, "quantize_groups", shifted)
+    broken = answers(candidates()["bfloat16 int4"], NUM_TOKENS)
+    monkeypatch.undo()
     report = compare("broken", reference, broken)
     limit = THRESHOLDS["bfloat16 int4"]
     assert report.agreement < limit.min_agreement or report.logprob_error > limit.max_logprob_error
