@@ -22,7 +22,13 @@ from typing import Any
 
 from replicas.engine.config import EngineConfig
 from replicas.engine.factory import make_engine
-from replicas.engine.interface import ChoiceResume, Chunk, Engine, GenerateRequest
+from replicas.engine.interface import (
+    ChoiceResume,
+    Chunk,
+    Engine,
+    GenerateRequest,
+    SchedulingHints,
+)
 from replicas.engine.sampling_params import GuideKind, SamplingParams, StructuredOutput
 from replicas.load_report import LoadReporter
 from replicas.tracing import record_engine_spans
@@ -79,6 +85,7 @@ class ModelReplica:
             resume=tuple(ChoiceResume(int(r["index"]), tuple(r["token_ids"]),
                                       int(r["num_text_chars_sent"]), bool(r["is_finished"]))
                          for r in call.get("resume") or ()),
+            scheduling=_scheduling(call.get("scheduling")),
         )
         # who has the request, at once: the dispatcher watches this replica's heartbeat
         yield {"token_ids": [], "text": "", "finish_reason": None, "replica_id": self.replica_id}
@@ -172,6 +179,14 @@ def _sampling_args(raw: dict[str, Any]) -> dict[str, Any]:
         spec = args["structured_output"]
         args["structured_output"] = StructuredOutput(GuideKind(spec["kind"]), spec["schema"])
     return args
+
+
+def _scheduling(raw: dict[str, Any] | None) -> SchedulingHints | None:
+    """The router's scheduling hints (tenant, priority class, weight); None if it sent none."""
+    if raw is None:
+        return None
+    return SchedulingHints(str(raw["key"]), int(raw.get("priority", 0)),
+                           float(raw.get("weight", 1.0)))
 
 
 def to_wire(chunk: Chunk) -> dict[str, Any]:

@@ -68,6 +68,7 @@ class Grant:
     grant_seq: int  # position in the global order of grants
     priority: int = 0
     admit_depth: int = 0  # the tenant's queue length right after this request joined it
+    weight: float = 1.0  # the tenant's, when granted: the replica's fair scheduler uses it
 
     @property
     def tenant_id(self) -> str:

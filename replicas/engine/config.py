@@ -55,6 +55,11 @@ class Quantization(enum.StrEnum):
     INT4 = "int4"
 
 
+class SchedulingPolicy(enum.StrEnum):
+    FAIR = "fair"  # per-key token counters, priority classes first: replicas/engine/scheduler.py
+    FCFS = "fcfs"  # arrival order
+
+
 class EngineKind(enum.StrEnum):
     TORCH = "torch"  # replicas/engine/async_engine.py: CPU and GPU
     VLLM = "vllm"  # replicas/engine/vllm/: vLLM's AsyncLLM, GPU only (the `gpu` extra)
@@ -159,6 +164,12 @@ class EngineConfig(BaseModel):
     )
     max_num_seqs: int = Field(
         default=64, ge=1, description="Most sequences running at once (the batch size cap)."
+    )
+    scheduling_policy: SchedulingPolicy = Field(
+        default=SchedulingPolicy.FAIR,
+        description="Order of prompt work in an engine step: fair (priority class first, then "
+        "the tenant with the fewest weighted tokens computed; decodes always run first) or "
+        "fcfs (arrival order). The vllm engine keeps vLLM's own scheduler.",
     )
     max_model_len: int | None = Field(
         default=None,

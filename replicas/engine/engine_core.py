@@ -86,7 +86,9 @@ class EngineCore:
             keys_token_kinds=self.compute.quantization is Quantization.INT4,
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), self.block_manager
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
+                            config.scheduling_policy),
+            self.block_manager,
         )
         eos = tuple(self.tokenizer.eos_token_ids)
         self.sampler = Sampler(eos, self.device)
@@ -194,6 +196,9 @@ class EngineCore:
             seq = Sequence.from_prompt(seq_id, prepared.prompt_token_ids, _choice(sampling, index),
                                        arrival_s=prepared.arrival_s)
             seq.guide = prepared.guides[index] if prepared.guides else None
+            if request.scheduling is not None:
+                hints = request.scheduling
+                seq.fair_key, seq.priority, seq.weight = hints.key, hints.priority, hints.weight
             detok = IncrementalDetokenizer(
                 self.tokenizer, prepared.prompt_token_ids, sampling.skip_special_tokens
             )

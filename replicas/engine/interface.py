@@ -37,6 +37,20 @@ class ChoiceResume:
 
 
 @dataclass(frozen=True, slots=True)
+class SchedulingHints:
+    """Who a request is for, as the engine's fair scheduler sees it: an opaque fairness key
+    (the router passes the tenant), a priority class (higher first) and a weight (> 0)."""
+
+    key: str
+    priority: int = 0
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise ValueError(f"scheduling weight must be positive, got {self.weight}")
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateRequest:
     """One generation request.
 
@@ -53,6 +67,7 @@ class GenerateRequest:
     messages: tuple[dict[str, str], ...] | None = None
     arrival_time_s: float | None = None  # wall clock (time.time()); defaults to now
     resume: tuple[ChoiceResume, ...] = ()
+    scheduling: SchedulingHints | None = None  # None: the engine's shared default key
 
     @property
     def num_open_choices(self) -> int:

@@ -48,6 +48,12 @@ class Sequence:
     num_prefill_chunks: int = 0
     num_preemptions: int = 0
     guide: Guide | None = None  # the structured-output grammar's state, if any
+    # Fair scheduling (replicas/engine/scheduler.py): the key whose token counter this sequence
+    # adds to (the router passes the tenant), its priority class (higher first) and weight.
+    fair_key: str = ""
+    priority: int = 0
+    weight: float = 1.0
+    arrival_order: int = 0  # set by the scheduler: the order of add() calls
 
     @classmethod
     def from_prompt(

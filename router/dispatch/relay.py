@@ -135,7 +135,10 @@ class Relay:
         grant = running.grant
         call: dict[str, Any] = {
             "request_id": f"{grant.request_id}.{grant.lease.attempt}.{running.migrations}",
-            "prompt_token_ids": body["prompt_token_ids"], "sampling": body["sampling"]}
+            "prompt_token_ids": body["prompt_token_ids"], "sampling": body["sampling"],
+            # the engine's fair scheduler (replicas/engine/scheduler.py): whose tokens these are
+            "scheduling": {"key": grant.tenant_id, "priority": grant.priority,
+                           "weight": grant.weight}}
         if running.progress.choices:
             call["resume"] = running.progress.resume_wire()
         if running.span is not None:

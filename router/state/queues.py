@@ -320,6 +320,7 @@ def _grant(holder: str, g: list[Any]) -> Grant:
         grant_seq=int(g[9]),
         priority=int(g[10]),
         admit_depth=int(g[11]),
+        weight=float(g[12]),
     )
 
 

@@ -9,7 +9,8 @@
 --   many dispatchers call at once; the live leases are counted in this same atomic call).
 -- Returns {grants, warnings}: grants is a list of {tenant, id, attempt, lease deadline ms,
 --   body, meta, prompt tokens, max_tokens, created ms, grant sequence number, priority class,
---   the tenant's queue depth right after its admission}; warnings names
+--   the tenant's queue depth right after its admission, the tenant's weight (a string: the
+--   replica's fair scheduler weighs the tenant's tokens by it)}; warnings names
 --   stored data the script had to skip or read leniently ("<key> <field>").
 local holder, lease_ms = ARGV[2], tonumber(ARGV[3])
 local wanted = math.min(tonumber(ARGV[4]), tonumber(ARGV[5]))
@@ -64,7 +65,7 @@ local function grant_one(t, class, start, rid)
   redis.call('ZADD', K.leases, deadline_s, t .. ' ' .. rid)
   count(counts, t, 'granted')
   grants[#grants + 1] = {t, rid, attempt, deadline, r[3], r[4], r[5], r[6], r[7], seq,
-                         class, tonumber(r[9]) or 0}
+                         class, tonumber(r[9]) or 0, fmt(tenant_of(t).weight)}
   return finish
 end
 

@@ -15,7 +15,13 @@ import pytest
 from replicas.engine.async_engine import TorchEngine
 from replicas.engine.config import EngineConfig
 from replicas.engine.errors import InvalidRequestError
-from replicas.engine.interface import ChoiceResume, Engine, FinishReason, GenerateRequest
+from replicas.engine.interface import (
+    ChoiceResume,
+    Engine,
+    FinishReason,
+    GenerateRequest,
+    SchedulingHints,
+)
 from replicas.engine.sampling_params import GuideKind, SamplingParams, StructuredOutput
 
 pytestmark = pytest.mark.slow
@@ -205,6 +211,35 @@ def test_concurrent_requests_and_health(engine) -> None:
     for i, chunks in enumerate(results):
         assert chunks[-1].usage.num_output_tokens == 8 + i
     assert _all_blocks_free(eng)
+
+
+def test_scheduling_hints_reach_the_scheduler_and_leave_the_text_alone(engine) -> None:
+    """Tenants' hints (the router's key, priority class, weight) reach the torch engine's fair
+    scheduler, whose counters then hold each key's computed tokens over its weight; the greedy
+    text is the one without hints."""
+    _, eng = engine
+    sampling = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        plain = await collect(eng, GenerateRequest("h-plain", sampling, messages=CAPITAL))
+        hinted = []
+        for key, priority, weight in (("tenant-a", 0, 1.0), ("tenant-b", 1, 4.0)):  # one by one
+            hints = SchedulingHints(key, priority, weight)
+            hinted.append(await collect(eng, GenerateRequest(f"h-{key}", sampling,
+                                                             messages=CAPITAL, scheduling=hints)))
+        return plain, hinted
+
+    plain, hinted = run(engine, scenario())
+    text = "".join(c.text for c in plain)
+    assert ["".join(c.text for c in chunks) for chunks in hinted] == [text, text]
+    if isinstance(eng, TorchEngine):
+        counters = eng.core.scheduler.counters
+        for key, weight, chunks in (("tenant-a", 1.0, hinted[0]), ("tenant-b", 4.0, hinted[1])):
+            usage = chunks[-1].usage
+            computed = usage.num_prompt_tokens - usage.num_cached_tokens + 5  # + 5 decodes
+            assert counters[key] == computed / weight
+    with pytest.raises(ValueError, match="weight must be positive"):
+        SchedulingHints("t", weight=0)
 
 
 # ---- the extensions clients send: n, structured output, penalties, bias, stop strings ----
