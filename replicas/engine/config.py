@@ -165,6 +165,13 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(
         default=64, ge=1, description="Most sequences running at once (the batch size cap)."
     )
+    max_prompt_tokens_with_decodes: int | None = Field(
+        default=None,
+        ge=1,
+        description="fair policy: the most prompt tokens in an engine step that also runs "
+        "decodes (long prompts go on in chunks of this size), so a step stays short for the "
+        "streams and for a new arrival waiting on it. null: 128 on a CPU, no cap on a GPU.",
+    )
     scheduling_policy: SchedulingPolicy = Field(
         default=SchedulingPolicy.FAIR,
         description="Order of prompt work in an engine step: fair (priority class first, then "

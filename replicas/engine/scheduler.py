@@ -45,7 +45,17 @@ the smallest counter among the active keys, so idling banks no credit.
    step (no smaller request skips ahead of it); running prefills still go on. A running
    prefill short of blocks in a step that admitted waits for the next step rather than
    preempting (admitting and preempting in one step would thrash).
-3. Preemption picks the lowest priority class first, then the newest running sequence not yet
+3. An interactive arrival's first chunk alone. A waiting sequence of a key with nothing
+   running (one caller, one request at a time) that no other key with work here is ahead of
+   (a higher class or a smaller counter) runs its first chunk alone in the step: the decodes
+   wait that one step, never two in a row. The same work is done either way (a mixed step
+   costs about the prefill plus the decodes on a CPU), but the arrival's first token comes
+   after its own prefill instead of after a mixed step; the decoding streams see the same gap.
+   In a step that runs decodes, prompt work takes at most ``max_prompt_tokens_with_decodes``
+   tokens (Sarathi-Serve's stall-free batching): on a CPU a step costs about a millisecond per
+   prompt token, so an uncapped step of several prompts stalls every stream for half a second
+   and makes an arrival wait that long for the step in flight.
+4. Preemption picks the lowest priority class first, then the newest running sequence not yet
    served in this step (as ``fcfs`` within a class); a preempted sequence waits with its key's
    counter and its first arrival, so it is re-admitted by the same order. Within the highest
    class the oldest running sequence is never preempted, so it always progresses.
@@ -75,6 +85,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
     policy: SchedulingPolicy = SchedulingPolicy.FAIR
+    # fair policy: the most prompt tokens in a step that also runs decodes (None: no cap)
+    max_prompt_tokens_with_decodes: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -83,6 +95,10 @@ class SchedulerConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_prompt_tokens_with_decodes is not None \
+                and self.max_prompt_tokens_with_decodes < 1:
+            raise ValueError("max_prompt_tokens_with_decodes must be at least 1, got "
+                             f"{self.max_prompt_tokens_with_decodes}")
 
 
 @dataclass(slots=True)
@@ -98,6 +114,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     preempted: list[Sequence]
     num_batched_tokens: int
+    # fair policy: this step runs one new arrival's first chunk and nothing else
+    is_first_chunk_alone: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -118,6 +136,7 @@ class Scheduler:
         # per key (a key with none is inactive; its counter is lifted when it comes back)
         self.counters: dict[str, float] = {}
         self._num_active: Counter[str] = Counter()
+        self._last_step_alone = False
 
     # --- queries ------------------------------------------------------------------------------
 
@@ -177,15 +196,26 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         step = _Step(self.config.max_num_batched_tokens)
         if self.config.policy is SchedulingPolicy.FAIR:
-            self._schedule_decodes(step)
-            self._schedule_prompts_fairly(step)
+            alone = None if self._last_step_alone else self._first_chunk_to_run_alone()
+            num_new_tokens = self._admit(alone, step) if alone is not None else 0
+            if num_new_tokens:
+                self._charge(alone, num_new_tokens)  # type: ignore[arg-type]
+            else:
+                self._schedule_decodes(step)
+                cap = self.config.max_prompt_tokens_with_decodes
+                held = max(0, step.num_left - cap) if cap is not None and step.scheduled else 0
+                step.num_left -= held  # prompt work shares a decode step up to the cap
+                self._schedule_prompts_fairly(step)
+                step.num_left += held
+            self._last_step_alone = bool(num_new_tokens)
         else:
             self._schedule_running(step)
             if not step.preempted:
                 self._schedule_waiting(step)
         num_batched_tokens = self.config.max_num_batched_tokens - step.num_left
         assert num_batched_tokens == sum(s.num_new_tokens for s in step.scheduled)
-        return SchedulerOutput(step.scheduled, step.preempted, num_batched_tokens)
+        return SchedulerOutput(step.scheduled, step.preempted, num_batched_tokens,
+                               self._last_step_alone)
 
     def update_after_step(self, output: SchedulerOutput) -> None:
         """Account for the KV the model just computed; the engine appends sampled tokens after."""
@@ -262,6 +292,25 @@ class Scheduler:
                     self._charge(seq, num_new_tokens)
                 else:
                     is_admitting = False  # nobody skips ahead of a seq that did not fit
+
+    def _first_chunk_to_run_alone(self) -> Sequence | None:
+        """A waiting seq of a key with nothing running (an interactive caller) that is owed the
+        next prompt work: no other key with work here has a higher class or a smaller counter.
+        Its first chunk runs alone in this step, the decodes wait one step (never two in a row):
+        it reaches its first token in the time of its own prefill, not of a mixed step."""
+        if not self.running or not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return None
+        busy = {seq.fair_key for seq in self.running}
+        best = min((seq for seq in self.waiting if seq.fair_key not in busy),
+                   key=self._fair_rank, default=None)
+        if best is None:
+            return None
+        mine = (-best.priority, self.counters[best.fair_key])
+        for seq in itertools.chain(self.running, self.waiting):
+            if seq.fair_key != best.fair_key and \
+                    (-seq.priority, self.counters[seq.fair_key]) < mine:
+                return None
+        return best
 
     def _fair_rank(self, seq: Sequence) -> tuple[int, float, int, int, Sequence]:
         # the last field is never compared: (arrival order, id) are unique

@@ -50,9 +50,11 @@ class Simulation:
         max_num_seqs: int,
         enable_prefix_caching: bool = True,
         policy: SchedulingPolicy = FCFS,
+        max_prompt_tokens_with_decodes: int | None = None,
     ) -> Simulation:
         bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, policy)
+        config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, policy,
+                                 max_prompt_tokens_with_decodes)
         return cls(Scheduler(config, bm))
 
     @property
@@ -156,9 +158,20 @@ class Simulation:
         unserved = [seq for seq in running_before if id(seq) not in served]
         for victim in output.preempted:
             assert all(seq.priority >= victim.priority for seq in unserved)
+        if output.is_first_chunk_alone:
+            # One interactive arrival's first chunk alone, never two such steps in a row.
+            assert len(seqs) == 1 and admitted == seqs and not output.preempted
+            assert not any(r.fair_key == seqs[0].fair_key for r in running_before)
+            assert not (self.outputs and self.outputs[-1].is_first_chunk_alone)
+            return
         # Decodes first: a decode left out means the budget went to decodes only.
         if any(id(seq) in decodes_before for seq in unserved):
             assert all(id(seq) in decodes_before for seq in seqs)
+        # Prompt work in a step with decodes stays within its cap.
+        cap = config.max_prompt_tokens_with_decodes
+        if cap is not None and any(id(item.seq) in decodes_before for item in output.scheduled):
+            assert sum(item.num_new_tokens for item in output.scheduled
+                       if id(item.seq) not in decodes_before) <= cap
         # Admission: a higher priority class first; one key's seqs in arrival order.
         not_admitted = [w for w in waiting_before if not any(w is a for a in admitted)]
         for a in admitted:
@@ -412,15 +425,40 @@ def test_fcfs_new_key_waits_behind_the_flood() -> None:
     assert quiet not in [i.seq for i in output.scheduled]
 
 
-def test_fair_new_key_goes_ahead_of_a_running_chunked_prefill() -> None:
+def test_fair_new_key_runs_its_first_chunk_alone_then_decodes_resume() -> None:
     sim = fair_sim()
     sim.add(keyed("short", "noisy", 4, max_tokens=20))
     sim.add(keyed("long", "noisy", 200, max_tokens=2))
     sim.run_step()
-    sim.add(keyed("q", "quiet", 10, max_tokens=2))  # lifted to the noisy key's counter
-    output = sim.run_step()  # whose decode puts it ahead
-    assert [(i.seq.request_id, i.num_new_tokens) for i in output.scheduled] == [
-        ("short", 1), ("q", 10), ("long", 21)]  # the budget left goes on with the long prompt
+    sim.add(keyed("q", "quiet", 10, max_tokens=3))  # lifted to the noisy key's counter
+    first = sim.run_step()
+    assert [(i.seq.request_id, i.num_new_tokens) for i in first.scheduled] == [("q", 10)]
+    assert first.is_first_chunk_alone
+    second = sim.run_step()  # decodes first again, then the long prompt by its counter
+    assert [(i.seq.request_id, i.num_new_tokens) for i in second.scheduled] == [
+        ("short", 1), ("q", 1), ("long", 30)]
+    assert not second.is_first_chunk_alone
+    sim.run_until_done()
+
+
+def test_fair_first_chunks_alone_never_twice_in_a_row_nor_for_a_key_ahead() -> None:
+    sim = fair_sim()
+    sim.add(keyed("n0", "noisy", 8, max_tokens=20))
+    sim.run_step()
+    sim.add(keyed("q1", "quiet1", 8, max_tokens=2))
+    sim.add(keyed("q2", "quiet2", 8, max_tokens=2))
+    steps = [sim.run_step() for _ in range(2)]
+    assert [s.is_first_chunk_alone for s in steps] == [True, False]
+    assert [i.seq.request_id for i in steps[1].scheduled] == ["n0", "q1", "q2"]
+    sim.run_until_done()
+    # a key whose counter is ahead of the running ones' waits its turn in a mixed step
+    sim.add(keyed("n1", "noisy", 8, max_tokens=20))
+    sim.run_step()
+    sim.scheduler.counters["quiet1"] = sim.scheduler.counters["noisy"] + 100
+    sim.add(keyed("q3", "quiet1", 8, max_tokens=2))  # above the floor: no lift down
+    output = sim.run_step()
+    assert not output.is_first_chunk_alone
+    assert [i.seq.request_id for i in output.scheduled] == ["n1", "q3"]
     sim.run_until_done()
 
 
@@ -466,6 +504,28 @@ def test_fair_prompt_budget_is_split_by_weight() -> None:
     sim.run_until_done()
 
 
+def test_fair_prompt_work_beside_decodes_is_capped() -> None:
+    sim = fair_sim(max_num_batched_tokens=64)
+    sim.scheduler.config = SchedulerConfig(64, 16, FAIR, max_prompt_tokens_with_decodes=10)
+    long = sim.add(keyed("long", "a", 100, max_tokens=2))
+    first = sim.run_step()  # nothing decodes yet: the whole budget
+    assert [i.num_new_tokens for i in first.scheduled] == [64]
+    sim.add(keyed("short", "a", 4, max_tokens=30))
+    sim.run_step()  # still no decode: long's last 36 tokens and short's 4, uncapped
+    assert long.num_output_tokens == 1
+    output = sim.run_step()  # long and short decode; nothing prompts: decodes only
+    assert sum(i.num_new_tokens for i in output.scheduled) == 2
+    late = sim.add(keyed("late", "a", 30, max_tokens=1))
+    chunks = []
+    while late.num_output_tokens == 0:
+        output = sim.run_step()
+        chunks += [i.num_new_tokens for i in output.scheduled if i.seq is late]
+    assert chunks == [10, 10, 10]  # beside the short seq's decodes
+    sim.run_until_done()
+    with pytest.raises(ValueError, match="max_prompt_tokens_with_decodes"):
+        SchedulerConfig(64, 16, FAIR, max_prompt_tokens_with_decodes=0)
+
+
 def test_fair_preemption_takes_the_lowest_priority_class_first() -> None:
     sim = fair_sim(num_blocks=6, max_num_batched_tokens=32)
     low = sim.add(keyed("low", "low", 8, max_tokens=8))
@@ -506,6 +566,7 @@ def workloads(draw: st.DrawFn) -> dict:
         "max_num_seqs": draw(st.integers(1, 6)),
         "enable_prefix_caching": draw(st.booleans()),
         "policy": draw(st.sampled_from([FAIR, FCFS])),
+        "max_prompt_tokens_with_decodes": draw(st.one_of(st.none(), st.integers(1, 16))),
         "requests": list(zip(prompts, max_tokens, arrivals, tenants, strict=True)),
         "aborts": draw(
             st.lists(st.tuples(st.integers(0, 40), st.integers(0, num_requests - 1)), max_size=5)
@@ -523,6 +584,7 @@ def test_random_workloads_keep_invariants_and_finish_every_request(workload: dic
         workload["max_num_seqs"],
         workload["enable_prefix_caching"],
         workload["policy"],
+        workload["max_prompt_tokens_with_decodes"],
     )
     requests = workload["requests"]
     seqs: dict[str, Sequence] = {}
