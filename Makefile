@@ -8,6 +8,9 @@
 #                         copy and from the GGUF file
 #   make bench-peer  llama.cpp's llama-server (built from the llama-cpp-python sdist), the engine
 #                    alone and the cluster, one streaming workload, one run
+#   make bench-fairness  a quiet tenant's time to first token alone and under another tenant's
+#                        flood, engine scheduling fcfs vs fair, one run
+#   make bench-affinity  multi-turn chats on two replicas, least-loaded vs prefix-affinity routing
 #   make image       build the CPU container image localhost/fairserve-cpu:<version> (root)
 #   make test-image  build it and serve from inside it (tests/deploy/test_image.py; minutes)
 #   make helm-values regenerate the Helm chart's values.yaml and values.schema.json
@@ -19,7 +22,7 @@ STAMP  := $(VENV)/.installed-stamp
 CHECKOV := .venv-checkov/bin/checkov
 PYTEST_ARGS ?=
 
-.PHONY: install up test test-fast helm-values image test-image image-tools bench bench-cluster bench-tracing bench-autoscale bench-peer lint clean
+.PHONY: install up test test-fast helm-values image test-image image-tools bench bench-cluster bench-tracing bench-autoscale bench-peer bench-fairness bench-affinity lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -75,6 +78,12 @@ bench-tracing: $(STAMP)
 
 bench-autoscale: $(STAMP)
 	$(PY) -m cluster.benchmarks.autoscale_bench
+
+bench-fairness: $(STAMP)
+	$(PY) -m cluster.benchmarks.fairness_bench
+
+bench-affinity: $(STAMP)
+	$(PY) -m cluster.benchmarks.affinity_bench
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check router replicas cluster tests

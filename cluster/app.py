@@ -15,12 +15,14 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from cluster.autoscaling import AutoscaleSettings, BacklogPolicy
-from cluster.settings import FairserveSettings
+from cluster.settings import FairserveSettings, RoutingPolicy
 from replicas.engine.local_path import absolute_path
 from replicas.server import EngineFactory, ModelReplica, ReplicaOptions
 from router.api.prompt_tokenizer import ModelInfo
+from router.dispatch.prefix_affinity import PrefixAffinityRouter
 from router.server import RouterServer
 
 REPLICA_DEPLOYMENT = "ModelReplica"
@@ -52,6 +54,7 @@ def build_app(settings: FairserveSettings, model: ModelInfo, redis_url: str,
         health_check_timeout_s=r.health_check_timeout_s,
         # Ray Serve's own wait comes on top of the replica's drain in __del__
         graceful_shutdown_timeout_s=r.graceful_shutdown_timeout_s + 5,
+        request_router_config=request_router_config(settings),
     ).bind(options, engine_factory)  # type: ignore[attr-defined]
     ro = settings.router
     api = ro.api
@@ -67,6 +70,20 @@ def build_app(settings: FairserveSettings, model: ModelInfo, redis_url: str,
     ).bind(replica, model, redis_url, api, settings.queues,  # type: ignore[attr-defined]
            ro.dispatch)
     return router
+
+
+def request_router_config(settings: FairserveSettings) -> RequestRouterConfig:
+    """How the routers' handles pick a model replica (``replicas.routing``)."""
+    routing = settings.replicas.routing
+    config: dict[str, Any] = {
+        "request_routing_stats_period_s": routing.publish_period_s,
+        "request_routing_stats_timeout_s": max(5.0, 2 * routing.publish_period_s)}
+    if routing.policy is RoutingPolicy.PREFIX_AFFINITY:
+        config["request_router_class"] = PrefixAffinityRouter
+        config["request_router_kwargs"] = {"block_size": settings.engine.block_size,
+                                           "min_match_blocks": routing.min_match_blocks,
+                                           "max_imbalance": routing.max_imbalance}
+    return RequestRouterConfig(**config)
 
 
 def autoscaling_config(a: AutoscaleSettings, redis_url: str) -> dict[str, Any]:

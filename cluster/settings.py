@@ -10,6 +10,7 @@ values map one-to-one onto these fields.
 from __future__ import annotations
 
 import contextvars
+import enum
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,28 @@ class _Branch(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class RoutingPolicy(enum.StrEnum):
+    PREFIX_AFFINITY = "prefix_affinity"  # router/dispatch/prefix_affinity.py
+    LEAST_LOADED = "least_loaded"  # Ray Serve's power of two choices
+
+
+class RoutingSettings(_Branch):
+    policy: RoutingPolicy = Field(
+        RoutingPolicy.PREFIX_AFFINITY,
+        description="how a request picks its replica: prefix_affinity (where its prompt's "
+        "leading blocks are cached, balanced against load) or least_loaded (the less loaded of "
+        "two random replicas)")
+    max_imbalance: int = Field(
+        8, ge=0, description="prefix_affinity: a replica that matches keeps the request while "
+        "it holds at most this many requests more than the least loaded one")
+    min_match_blocks: int = Field(
+        1, ge=1, description="prefix_affinity: the fewest leading cached blocks (of "
+        "engine.block_size tokens) that count as a match")
+    publish_period_s: float = Field(
+        1.0, gt=0, le=60, description="how often each replica hands Ray Serve its cached block "
+        "hashes for the routers (Ray's request_routing_stats_period_s)")
+
+
 class ReplicaSettings(_Branch):
     num_replicas: int = Field(1, ge=0, le=1024,
                               description="model replicas (a fixed count, without autoscaling)")
@@ -61,6 +84,8 @@ class ReplicaSettings(_Branch):
         30.0, ge=0, description="how long a removed replica may finish its running requests"
     )
     report_interval_s: float = Field(0.5, gt=0, le=5, description="load report period")
+    routing: RoutingSettings = Field(default_factory=RoutingSettings,
+                                     description="which replica a request goes to")
 
 
 class RouterSettings(_Branch):

@@ -32,6 +32,7 @@ from replicas.engine.interface import (
 from replicas.engine.sampling_params import GuideKind, SamplingParams, StructuredOutput
 from replicas.load_report import LoadReporter
 from replicas.tracing import record_engine_spans
+from router.dispatch.prefix_affinity import PUBLISHED_BLOCKS, PUBLISHED_VERSION
 from router.state.capacity import ReplicaLoad
 from router.telemetry.tracing import configure_tracing
 
@@ -137,6 +138,12 @@ class ModelReplica:
             num_steps=load.num_steps,
             compute=load.compute,
         )
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """For Ray Serve's request routers (``router/dispatch/prefix_affinity.py``): the hashes
+        of the blocks this replica's prefix cache holds, and their version."""
+        cached = self.engine.cached_prefix()
+        return {PUBLISHED_VERSION: cached.version, PUBLISHED_BLOCKS: list(cached.block_hashes)}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """For the autoscaling policy (``cluster/autoscaling.py``): the tokens this replica

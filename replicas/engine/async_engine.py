@@ -24,11 +24,13 @@ import torch
 from replicas.engine.config import EngineConfig
 from replicas.engine.engine_core import EngineCore, PreparedRequest
 from replicas.engine.errors import EngineDeadError, InvalidRequestError
-from replicas.engine.interface import Chunk, GenerateRequest, LoadSnapshot
+from replicas.engine.interface import CachedPrefix, Chunk, GenerateRequest, LoadSnapshot
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # the loop wakes this often with nothing to do, to notice shutdown
+CACHED_PREFIX_PERIOD_S = 0.5  # how stale the cached-prefix snapshot may be (while it changes)
+MAX_PUBLISHED_BLOCKS = 8192  # the most recently cached block hashes a replica publishes
 
 
 @dataclass(slots=True)
@@ -57,6 +59,8 @@ class TorchEngine:
         self._stopping = threading.Event()
         self._load: LoadSnapshot | None = None
         self._last_step_s = time.monotonic()
+        self._cached_prefix = CachedPrefix()
+        self._cached_prefix_s = 0.0
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -134,6 +138,9 @@ class TorchEngine:
         self._commands.put(_Abort(request_id, loop, done))
         return await done
 
+    def cached_prefix(self) -> CachedPrefix:
+        return self._cached_prefix
+
     def load(self) -> LoadSnapshot:
         if self._load is None:
             raise EngineDeadError("the engine has not been started")
@@ -176,8 +183,10 @@ class TorchEngine:
                     self._last_step_s = time.monotonic()
                     self._load = core.load()
                     self._deliver(chunks)
+                    self._snapshot_cached_prefix(core)
                 else:
                     self._last_step_s = time.monotonic()
+                    self._snapshot_cached_prefix(core)
         except BaseException as exc:  # noqa: BLE001 - the loop's boundary: report, then stop
             logger.exception("engine loop died")
             self._error = exc
@@ -185,6 +194,18 @@ class TorchEngine:
             return
         self._deliver(core.abort_all())
         self._load = core.load()
+
+    def _snapshot_cached_prefix(self, core: EngineCore) -> None:
+        """At most every ``CACHED_PREFIX_PERIOD_S``, in the engine thread (the only one that
+        may read the block manager): the cached block hashes, for ``cached_prefix``."""
+        now = time.monotonic()
+        version = core.block_manager.cache_version
+        if now - self._cached_prefix_s < CACHED_PREFIX_PERIOD_S \
+                or version == self._cached_prefix.version:
+            return
+        self._cached_prefix_s = now
+        self._cached_prefix = CachedPrefix(
+            version, core.block_manager.cached_hashes(MAX_PUBLISHED_BLOCKS))
 
     def _drain_commands(self, block: bool) -> None:
         try:

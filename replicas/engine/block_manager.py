@@ -28,6 +28,7 @@ one token is always computed, so the model produces the logits of the next token
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -76,7 +77,8 @@ class BlockManager:
         self.blocks: list[Block] = [Block(block_id=i) for i in range(num_blocks)]
         # Blocks with ref_count 0, least recently freed first (values unused).
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.hash_to_block_id: dict[int, int] = {}
+        self.hash_to_block_id: dict[int, int] = {}  # insertion order: oldest registered first
+        self.cache_version = 0  # changes whenever a hash is registered or forgotten
         self._num_used_blocks = 0
 
     # --- counts -------------------------------------------------------------------------------
@@ -97,6 +99,11 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         return len(self.hash_to_block_id)
+
+    def cached_hashes(self, limit: int) -> tuple[int, ...]:
+        """The hashes of the cached blocks, the most recently registered first, at most
+        ``limit``: what a replica publishes for prefix-aware routing."""
+        return tuple(itertools.islice(reversed(self.hash_to_block_id), limit))
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -160,6 +167,7 @@ class BlockManager:
             block.parent_hash = parent_hash
             block.token_ids = token_ids
             self.hash_to_block_id[block_hash] = block.block_id
+            self.cache_version += 1
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``, tail first, so tail blocks are evicted first."""
@@ -178,6 +186,7 @@ class BlockManager:
         for block_id in self.hash_to_block_id.values():
             self.blocks[block_id].clear_hash()
         self.hash_to_block_id.clear()
+        self.cache_version += 1
 
     # --- invariants ---------------------------------------------------------------------------
 
@@ -246,6 +255,7 @@ class BlockManager:
             evicted_id = self.hash_to_block_id.pop(block.block_hash)
             assert evicted_id == block_id, "hash entry pointed at another block"
             block.clear_hash()
+            self.cache_version += 1
         block.ref_count = 1
         self._num_used_blocks += 1
         return block_id

@@ -152,6 +152,15 @@ class LoadSnapshot:
         return used / self.num_total_kv_blocks if self.num_total_kv_blocks else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """The chained hashes of cached full blocks (``replicas/engine/block_manager.py``), the
+    most recently cached first, and a version that changes whenever they do."""
+
+    version: int = 0
+    block_hashes: tuple[int, ...] = ()
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A batched prefill/decode engine behind one replica."""
@@ -167,6 +176,11 @@ class Engine(Protocol):
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks; True if it was running or waiting."""
+
+    def cached_prefix(self) -> CachedPrefix:
+        """What the prefix cache holds, for prefix-aware routing (replicas publish it);
+        ``CachedPrefix()`` (empty) where the engine does not tell."""
+        ...
 
     def load(self) -> LoadSnapshot:
         """A snapshot of the engine's load."""

@@ -43,6 +43,7 @@ UNKNOWN_TENANT = "-"
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                       120.0, 300.0)
 _ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_TOKEN_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
 _E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 
@@ -58,6 +59,10 @@ SPECS = {spec.name: spec for spec in (
     MetricSpec("fairserve_requests", "requests by how they ended: completed, cancelled, "
                "refused (reason: the error code), failed", ("tenant", "outcome", "reason")),
     MetricSpec("fairserve_prompt_tokens", "prompt tokens of ended requests", ("tenant",)),
+    MetricSpec("fairserve_cached_prompt_tokens", "prompt tokens of ended requests that the "
+               "replica's prefix cache served (no prefill)", ("tenant",)),
+    MetricSpec("fairserve_cached_prompt_tokens_per_request", "prompt tokens the prefix cache "
+               "served, per ended request", ("tenant",), _TOKEN_BUCKETS),
     MetricSpec("fairserve_migrations", "requests moved to another replica mid-way, by why: "
                "replica_unavailable, stalled, stream_ended_early (router/dispatch/relay.py)",
                ("tenant", "reason")),

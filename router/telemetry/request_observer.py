@@ -112,6 +112,9 @@ class RequestObserver:
                         end.finish_reason or "")
         labels = (self.tenant,)
         self.metrics.inc("fairserve_prompt_tokens", labels, end.prompt_tokens)
+        self.metrics.inc("fairserve_cached_prompt_tokens", labels, end.cached_tokens)
+        self.metrics.observe("fairserve_cached_prompt_tokens_per_request", labels,
+                             end.cached_tokens)
         self.metrics.observe("fairserve_e2e_request_latency_seconds", labels, e2e_s)
         for name, value in (("fairserve_queue_time_seconds", phases.queue_s),
                             ("fairserve_engine_queue_time_seconds", phases.engine_queue_s),
@@ -127,6 +130,7 @@ class RequestObserver:
         out: dict[str, Any] = {
             "gen_ai.usage.input_tokens": end.prompt_tokens,
             "gen_ai.usage.output_tokens": end.completion_tokens,
+            "gen_ai.usage.cache_read.input_tokens": end.cached_tokens,
             "gen_ai.latency.e2e": e2e_s,
         }
         if end.finish_reason:

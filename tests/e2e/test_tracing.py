@@ -83,6 +83,8 @@ def test_one_trace_per_request_joins_the_clients(e2e: E2ECluster, otlp: OtlpRece
     assert a["gen_ai.request.temperature"] == 0.0
     assert a["gen_ai.usage.input_tokens"] == usage.prompt_tokens
     assert a["gen_ai.usage.output_tokens"] == usage.completion_tokens
+    assert a["gen_ai.usage.cache_read.input_tokens"] == usage.prompt_tokens_details.cached_tokens \
+        == spans["fairserve.prefill"].attributes["fairserve.prefill.cached_tokens"]
     assert a["gen_ai.response.finish_reasons"] == [response.choices[0].finish_reason]
     assert a["gen_ai.response.id"] == response.id
     assert a["http.response.status_code"] == 200

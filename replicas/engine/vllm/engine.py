@@ -31,7 +31,13 @@ from typing import Any
 
 from replicas.engine.config import EngineConfig
 from replicas.engine.errors import EngineDeadError, EngineError, InvalidRequestError, ModelLoadError
-from replicas.engine.interface import Chunk, FinishReason, GenerateRequest, LoadSnapshot
+from replicas.engine.interface import (
+    CachedPrefix,
+    Chunk,
+    FinishReason,
+    GenerateRequest,
+    LoadSnapshot,
+)
 from replicas.engine.sampling_params import SamplingParams
 from replicas.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from replicas.engine.vllm.admission import ModelLimits, check_request, given_prompt_count
@@ -158,6 +164,11 @@ class VLLMEngine:
         self._running_llm()
         family = self._families.get(request_id)
         return False if family is None else await self._abort_family(family)
+
+    def cached_prefix(self) -> CachedPrefix:
+        """Not told: vLLM's block hashes are its own (prefix_affinity then relies on what each
+        router sent where)."""
+        return CachedPrefix()
 
     def load(self) -> LoadSnapshot:
         if self._llm is None:

@@ -329,3 +329,23 @@ def test_with_token_kinds_a_block_of_generated_tokens_is_shared_only_with_the_sa
     plain.cache_full_blocks(seq, 12)
     again = Sequence.from_prompt("b", [*range(8), 100, 101, 102, 103, 104], SamplingParams())
     assert plain.allocate_prefix(again) == 12
+
+
+def test_cached_hashes_are_published_newest_first_with_a_version_that_tracks_changes() -> None:
+    from router.dispatch.prefix_affinity import block_hashes  # the routers' view of a prompt
+
+    bm = BlockManager(num_blocks=6, block_size=2)
+    assert (bm.cached_hashes(10), bm.cache_version) == ((), 0)
+    first = make_sequence("a", token_ids=[1, 2, 3, 4, 0])
+    prefill(bm, first)
+    v1 = bm.cache_version
+    assert bm.cached_hashes(10) == tuple(reversed(block_hashes([1, 2, 3, 4, 0], 2)))
+    assert bm.cached_hashes(1) == (block_hashes([1, 2, 3, 4], 2)[1],)  # the newest
+    bm.free(first)
+    assert bm.cache_version == v1  # freed blocks stay cached
+    prefill(bm, make_sequence("b", token_ids=[5, 6, 7, 8, 0]))
+    bm.allocate_slots(make_sequence("c", num_prompt_tokens=3), 3)  # evicts one of a's blocks
+    assert bm.cache_version > v1 and len(bm.cached_hashes(10)) == 3
+    v2 = bm.cache_version
+    bm.reset_prefix_cache()
+    assert bm.cached_hashes(10) == () and bm.cache_version > v2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 
 import pytest
 
@@ -240,6 +241,27 @@ def test_scheduling_hints_reach_the_scheduler_and_leave_the_text_alone(engine) -
             assert counters[key] == computed / weight
     with pytest.raises(ValueError, match="weight must be positive"):
         SchedulingHints("t", weight=0)
+
+
+def test_cached_prefix_names_the_prompt_blocks_the_engine_cached(engine) -> None:
+    """What a replica publishes for prefix-aware routing: the routers hash a prompt's blocks
+    the same way (router/dispatch/prefix_affinity.py) and find them in the engine's set."""
+    from router.dispatch.prefix_affinity import block_hashes
+
+    _, eng = engine
+    prompt = tuple(range(1000, 1000 + 70))  # 4 full blocks of 16 and a partial one
+    sampling = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    before = eng.cached_prefix()
+    run(engine, collect(eng, GenerateRequest("published", sampling, prompt_token_ids=prompt)))
+    hashes = block_hashes(prompt, eng.config.block_size)
+    deadline = time.monotonic() + 5
+    while not set(hashes) <= set(eng.cached_prefix().block_hashes):
+        if not isinstance(eng, TorchEngine):
+            assert eng.cached_prefix().block_hashes == ()  # vLLM does not tell
+            return
+        assert time.monotonic() < deadline, "the engine did not publish the prompt's blocks"
+        time.sleep(0.1)
+    assert eng.cached_prefix().version != before.version
 
 
 # ---- the extensions clients send: n, structured output, penalties, bias, stop strings ----

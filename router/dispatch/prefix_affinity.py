@@ -1,0 +1,204 @@
+"""Prefix-cache-aware replica choice: Ray Serve's request router for the model replicas.
+
+NOTE: two views of what each replica has cached, both as the chained hashes of full blocks
+(``engine.block_size`` tokens, hashed as the engine's prefix cache keys them):
+- published: every replica hands Ray its cached block hashes (``record_routing_stats``, every
+  ``publish_period_s``; the most recently cached ones, at most ``max_published_blocks``), and
+  Ray passes them to every router. Right, including what other routers sent, but late.
+- sent: this router's own index of the prompts it sent where, most recently sent first, at most
+  ``index_blocks`` per replica (the oldest forgotten first, as the engine evicts its least
+  recently used blocks). At once, but blind to other routers and to evictions.
+A replica's match is the longer of the two. A request goes to the replica that matches most of
+its leading blocks, if that is at least ``min_match_blocks`` blocks and that
+replica holds no more than ``max_imbalance`` requests beyond the least loaded candidate (the
+requests each replica holds, from Ray's queue-length cache). Otherwise, and when two replicas
+match equally, the less loaded is taken (ties: at random); nothing matched: Ray's power of two
+choices. A replica that cannot take the request (full) makes Ray try the next rank: the other
+candidates, least loaded first.
+
+A wrong guess costs prefill time, never a wrong answer (the engine computes whatever its cache
+lacks). Generated tokens are not indexed: the router only knows prompts (and the int4 engine
+keys blocks holding generated tokens apart from prompt blocks anyway).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from ray.serve.request_router import (
+    FIFOMixin,
+    LocalityMixin,
+    MultiplexMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
+
+from replicas.engine.block_manager import hash_block_tokens
+
+logger = logging.getLogger(__name__)
+
+# the keys of a replica's routing stats (replicas/server.py, ModelReplica.record_routing_stats)
+PUBLISHED_BLOCKS = "cached_block_hashes"
+PUBLISHED_VERSION = "cached_version"
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of the full blocks of ``token_ids``: the i-th names the first i+1 blocks."""
+    hashes: list[int] = []
+    parent: int | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, tuple(token_ids[start:start + block_size]))
+        hashes.append(parent)
+    return hashes
+
+
+def published_match(cached: set[int] | frozenset[int], hashes: Sequence[int]) -> int:
+    """How many leading blocks of the prompt are in a replica's published cached set."""
+    count = 0
+    for h in hashes:
+        if h not in cached:
+            break
+        count += 1
+    return count
+
+
+class PrefixIndex:
+    """Per replica, the block hashes of the prompts sent there; least recently sent forgotten
+    first beyond ``max_blocks``."""
+
+    def __init__(self, max_blocks: int) -> None:
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks must be at least 1, got {max_blocks}")
+        self.max_blocks = max_blocks
+        self._blocks: dict[str, OrderedDict[int, None]] = {}
+
+    def record(self, replica: str, hashes: Sequence[int]) -> None:
+        blocks = self._blocks.setdefault(replica, OrderedDict())
+        for h in hashes:
+            blocks[h] = None
+            blocks.move_to_end(h)
+        while len(blocks) > self.max_blocks:
+            blocks.popitem(last=False)
+
+    def matched_blocks(self, replica: str, hashes: Sequence[int]) -> int:
+        """How many leading blocks of the prompt ``replica`` was sent."""
+        blocks = self._blocks.get(replica)
+        if not blocks:
+            return 0
+        count = 0
+        for h in hashes:  # chained: a block matches only after all the blocks before it
+            if h not in blocks:
+                break
+            count += 1
+        return count
+
+    def forget(self, replica: str) -> None:
+        self._blocks.pop(replica, None)
+
+    def keep_only(self, replicas: set[str]) -> None:
+        for replica in [r for r in self._blocks if r not in replicas]:
+            del self._blocks[replica]
+
+    def num_blocks(self, replica: str) -> int:
+        return len(self._blocks.get(replica, ()))
+
+
+def rank_by_affinity(matches: dict[str, int], loads: dict[str, int | None],
+                     min_match_blocks: int, max_imbalance: int,
+                     rng: random.Random) -> list[str] | None:
+    """Replicas in the order to try them, or None when affinity has nothing to say (no match
+    worth it): the caller falls back to its load-only choice. ``loads`` None: not known."""
+    known = [load for load in loads.values() if load is not None]
+    least = min(known, default=0)
+    eligible = [r for r, m in matches.items() if m >= min_match_blocks
+                and (loads.get(r) is None or loads[r] <= least + max_imbalance)]  # type: ignore[operator]
+    if not eligible:
+        return None
+    best = max(matches[r] for r in eligible)
+
+    def load_key(replica: str) -> tuple[int, float]:
+        load = loads.get(replica)
+        return (least if load is None else load, rng.random())
+
+    first = min((r for r in eligible if matches[r] == best), key=load_key)
+    return [first] + sorted((r for r in matches if r != first), key=load_key)
+
+
+class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
+    """Ray Serve request router: prefix-cache affinity, balanced against load (module NOTE)."""
+
+    def initialize_state(self, block_size: int = 16, index_blocks: int = 16_384,
+                         min_match_blocks: int = 1, max_imbalance: int = 8,
+                         **_: Any) -> None:
+        self.block_size = block_size
+        self.min_match_blocks = min_match_blocks
+        self.max_imbalance = max_imbalance
+        self.index = PrefixIndex(index_blocks)
+        self._rng = random.Random()
+        # the replicas' published cached hashes as sets, rebuilt when Ray hands new stats
+        self._published: dict[str, tuple[int, frozenset[int]]] = {}
+
+    def _hashes(self, pending_request: PendingRequest | None) -> list[int]:
+        if pending_request is None or not pending_request.args:
+            return []
+        call = pending_request.args[0]
+        if not isinstance(call, dict) or not call.get("prompt_token_ids"):
+            return []
+        return block_hashes(call["prompt_token_ids"], self.block_size)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        hashes = self._hashes(pending_request)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        if hashes and len(by_id) > 1:
+            matches = {rid: max(self.index.matched_blocks(rid, hashes),
+                                published_match(self._published_set(r), hashes))
+                       for rid, r in by_id.items()}
+            loads = {rid: self._queue_len(r) for rid, r in by_id.items()}
+            order = rank_by_affinity(matches, loads, self.min_match_blocks, self.max_imbalance,
+                                     self._rng)
+            if order is not None:
+                return [[by_id[order[0]]], [by_id[rid] for rid in order[1:]]]
+        return self._power_of_two(candidate_replicas)
+
+    def _published_set(self, replica: RunningReplica) -> frozenset[int]:
+        stats = replica.routing_stats or {}
+        version = stats.get(PUBLISHED_VERSION, -1)
+        rid = replica.replica_id.unique_id
+        cached = self._published.get(rid)
+        if cached is None or cached[0] != version:
+            cached = (version, frozenset(stats.get(PUBLISHED_BLOCKS, ())))
+            self._published[rid] = cached
+        return cached[1]
+
+    def _queue_len(self, replica: RunningReplica) -> int | None:
+        return self.replica_queue_len_cache.get(replica.replica_id)
+
+    def _power_of_two(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+        if len(candidates) <= 2:
+            return [list(candidates)]
+        return [self._rng.sample(candidates, 2)]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: Any) -> None:
+        hashes = self._hashes(pending_request)
+        if hashes:
+            self.index.record(replica_id.unique_id, hashes)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.index.forget(replica_id.unique_id)
+        self._published.pop(replica_id.unique_id, None)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id.unique_id for r in replicas}
+        self.index.keep_only(live)
+        self._published = {rid: v for rid, v in self._published.items() if rid in live}

@@ -1,0 +1,54 @@
+"""Prefix-cache-aware replica choice on the real two-replica, two-router cluster: a
+conversation's follow-up turns go where its history is cached, and ``/metrics`` counts the
+cached prompt tokens."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from replicas.engine.bench import WORDS
+from router.state.tenants import Tenant
+from router.telemetry.metrics import SNAPSHOT_S
+from tests.e2e.factories import MODEL, E2ECluster
+from tests.e2e.test_metrics import _scrape, _value
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+BLOCK_SIZE = 16  # engine.block_size's default: the prefix cache's unit
+PUBLISH_WAIT_S = 3.0  # > replicas.routing.publish_period_s (1 s) and Ray's hand-over to routers
+
+
+def test_follow_up_turns_land_where_their_history_is_cached(e2e: E2ECluster) -> None:
+    """Without affinity each follow-up goes to either replica (the less loaded of two, both
+    idle): all three finding their history cached would happen one time in eight."""
+    key = e2e.add_tenant(Tenant(id="affinity"))
+    rng = random.Random(20)
+    before = _scrape(e2e)
+    messages = [{"role": "system", "content": " ".join(rng.choice(WORDS) for _ in range(200))}]
+    client = e2e.client(key)
+    turns = []
+    for turn in range(4):
+        messages.append({"role": "user",
+                         "content": f"Turn {turn}: " + " ".join(rng.choice(WORDS) for _ in range(30))})
+        response = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=8, temperature=0.0)
+        messages.append({"role": "assistant", "content": response.choices[0].message.content})
+        usage = response.usage
+        turns.append((usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens))
+        time.sleep(PUBLISH_WAIT_S)  # every router has heard what each replica cached
+    for (previous_prompt, _), (prompt, cached) in zip(turns, turns[1:], strict=False):
+        # the previous turn's prompt, up to its last full block, was served from the cache
+        assert cached >= previous_prompt // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE, turns
+        assert cached < prompt
+    total_cached = sum(cached for _, cached in turns)
+    time.sleep(SNAPSHOT_S + 0.5)
+    for _ in range(2):  # either router answers with the whole cluster's counts
+        after = _scrape(e2e)
+        name = "fairserve_cached_prompt_tokens_total"
+        assert _value(after, name, tenant="affinity") - _value(before, name, tenant="affinity") \
+            == total_cached
+        hist = "fairserve_cached_prompt_tokens_per_request_count"
+        assert _value(after, hist, tenant="affinity") == len(turns)

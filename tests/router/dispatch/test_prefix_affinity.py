@@ -1,0 +1,74 @@
+"""Prefix-cache-aware replica choice: block hashes as the engine keys them, the per-replica
+index of what was sent where, and the ranking that balances affinity against load."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from replicas.engine.block_manager import hash_block_tokens
+from router.dispatch.prefix_affinity import (
+    PrefixIndex,
+    block_hashes,
+    published_match,
+    rank_by_affinity,
+)
+
+BS = 4
+
+
+def test_block_hashes_chain_full_blocks_like_the_engine() -> None:
+    tokens = list(range(10))
+    hashes = block_hashes(tokens, BS)
+    assert len(hashes) == 2  # the partial third block is not cacheable
+    first = hash_block_tokens(None, (0, 1, 2, 3))
+    assert hashes == [first, hash_block_tokens(first, (4, 5, 6, 7))]
+    assert block_hashes(tokens[:8] + [99, 98, 97, 96], BS)[:2] == hashes
+    assert block_hashes([7] + tokens[1:], BS)[1] != hashes[1]  # the chain: all differ after
+    assert block_hashes([1, 2, 3], BS) == []
+
+
+def test_index_matches_leading_blocks_and_forgets_the_least_recently_sent() -> None:
+    index = PrefixIndex(max_blocks=5)
+    a, b = block_hashes(list(range(12)), BS), block_hashes(list(range(100, 112)), BS)
+    index.record("r1", a)
+    assert index.matched_blocks("r1", a) == 3
+    assert index.matched_blocks("r1", a[:2] + b[2:]) == 2
+    assert index.matched_blocks("r2", a) == 0
+    index.record("r1", b)  # 6 blocks: a's first block, the least recently sent, goes
+    assert index.num_blocks("r1") == 5
+    assert index.matched_blocks("r1", a) == 0  # chained: nothing after a missing first block
+    assert index.matched_blocks("r1", b) == 3
+    index.record("r1", b[:1])  # touched again: now a[1] is the oldest
+    index.record("r1", a[:1])
+    assert index.matched_blocks("r1", b) == 3
+    index.keep_only({"r2"})
+    assert index.num_blocks("r1") == 0
+    with pytest.raises(ValueError, match="max_blocks"):
+        PrefixIndex(0)
+
+
+def test_published_match_counts_leading_blocks_of_a_replicas_cached_set() -> None:
+    hashes = block_hashes(list(range(16)), BS)
+    assert published_match(set(hashes[:2]) | {hashes[3]}, hashes) == 2
+    assert published_match(set(), hashes) == 0
+
+
+def test_rank_prefers_the_longest_match_then_the_least_loaded() -> None:
+    rng = random.Random(0)
+    order = rank_by_affinity({"a": 3, "b": 5, "c": 0}, {"a": 0, "b": 2, "c": 1}, 1, 8, rng)
+    assert order == ["b", "a", "c"]  # then the others, least loaded first
+    tie = rank_by_affinity({"a": 4, "b": 4}, {"a": 3, "b": 1}, 1, 8, rng)
+    assert tie == ["b", "a"]
+
+
+def test_rank_gives_way_to_load_beyond_the_imbalance_and_to_weak_matches() -> None:
+    rng = random.Random(0)
+    # b matches best but holds 9 more requests than a: a takes it if it matches at all
+    assert rank_by_affinity({"a": 1, "b": 5}, {"a": 0, "b": 9}, 1, 8, rng) == ["a", "b"]
+    # nothing eligible: the caller's load-only choice
+    assert rank_by_affinity({"a": 0, "b": 5}, {"a": 0, "b": 9}, 1, 8, rng) is None
+    assert rank_by_affinity({"a": 1, "b": 1}, {"a": 0, "b": 0}, 2, 8, rng) is None
+    # an unknown load does not rule a replica out (Ray probes it when it tries)
+    assert rank_by_affinity({"a": 0, "b": 5}, {"a": 0, "b": None}, 1, 8, rng) == ["b", "a"]
