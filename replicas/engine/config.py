@@ -169,8 +169,9 @@ class EngineConfig(BaseModel):
         default=None,
         ge=1,
         description="fair policy: the most prompt tokens in an engine step that also runs "
-        "decodes (long prompts go on in chunks of this size), so a step stays short for the "
-        "streams and for a new arrival waiting on it. null: 128 on a CPU, no cap on a GPU.",
+        "decodes (long prompts go on in chunks of this size): shorter steps for the streams "
+        "and for an arrival waiting on the step in flight, more of them. null: no cap (only "
+        "max_num_batched_tokens).",
     )
     scheduling_policy: SchedulingPolicy = Field(
         default=SchedulingPolicy.FAIR,

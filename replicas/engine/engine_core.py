@@ -32,10 +32,6 @@ from replicas.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
-# A CPU computes about a prompt token per millisecond on the default model (2 cores): prompt
-# chunks of this size keep a step that also decodes near 150 ms (scheduler.py, fair policy).
-CPU_PROMPT_TOKENS_WITH_DECODES = 128
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +87,7 @@ class EngineCore:
         )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
-                            config.scheduling_policy, self._max_prompt_tokens_with_decodes()),
+                            config.scheduling_policy, config.max_prompt_tokens_with_decodes),
             self.block_manager,
         )
         eos = tuple(self.tokenizer.eos_token_ids)
@@ -106,11 +102,6 @@ class EngineCore:
             config.model, self.compute.describe(), self.cache_shape.num_blocks,
             config.block_size, self.max_model_len,
         )
-
-    def _max_prompt_tokens_with_decodes(self) -> int | None:
-        if self.config.max_prompt_tokens_with_decodes is not None:
-            return self.config.max_prompt_tokens_with_decodes
-        return CPU_PROMPT_TOKENS_WITH_DECODES if self.device.type == "cpu" else None
 
     def _cache_shape(self) -> CacheShape:
         cfg = self.model_config

@@ -52,9 +52,9 @@ the smallest counter among the active keys, so idling banks no credit.
    costs about the prefill plus the decodes on a CPU), but the arrival's first token comes
    after its own prefill instead of after a mixed step; the decoding streams see the same gap.
    In a step that runs decodes, prompt work takes at most ``max_prompt_tokens_with_decodes``
-   tokens (Sarathi-Serve's stall-free batching): on a CPU a step costs about a millisecond per
-   prompt token, so an uncapped step of several prompts stalls every stream for half a second
-   and makes an arrival wait that long for the step in flight.
+   tokens when that is set (Sarathi-Serve's stall-free batching). Off by default: on the
+   2-core CPU it shortened the worst steps but made more steps long, and the quiet tenant's
+   median time to first token rose (README, "Scheduling inside the replica").
 4. Preemption picks the lowest priority class first, then the newest running sequence not yet
    served in this step (as ``fcfs`` within a class); a preempted sequence waits with its key's
    counter and its first arrival, so it is re-admitted by the same order. Within the highest
