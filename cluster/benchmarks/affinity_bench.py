@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import tempfile
 import time
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from cluster.benchmarks.peer_bench import cpu_name
+from cluster.benchmarks.sse import percentile, sse_events
 from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.redis_server import free_port
 from cluster.settings import load_settings
@@ -55,13 +55,6 @@ class PolicyResult:
     output_tokens: int = 0
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (nearest rank) of ``values``."""
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
-
-
 def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
@@ -75,24 +68,14 @@ async def chat(http: httpx.AsyncClient, url: str, key: str, model: str,
     first = 0.0
     parts: list[str] = []
     usage: dict = {}
-    async with http.stream("POST", url, json=body,
-                           headers={"Authorization": f"Bearer {key}"}) as response:
-        if response.status_code != 200:
-            await response.aread()
-            raise RuntimeError(f"{response.status_code} {response.text}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(str(event["error"]))
-            for choice in event.get("choices") or ():
-                text = (choice.get("delta") or {}).get("content")
-                if text:
-                    if not first:
-                        first = time.perf_counter()
-                    parts.append(text)
-            usage = event.get("usage") or usage
+    async for event in sse_events(http, url, body, {"Authorization": f"Bearer {key}"}):
+        for choice in event.get("choices") or ():
+            text = (choice.get("delta") or {}).get("content")
+            if text:
+                if not first:
+                    first = time.perf_counter()
+                parts.append(text)
+        usage = event.get("usage") or usage
     if usage.get("completion_tokens") != num_out:
         raise RuntimeError(f"a reply ended after {usage.get('completion_tokens')} tokens")
     return first - start, "".join(parts), usage

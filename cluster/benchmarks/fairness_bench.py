@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import statistics
 import tempfile
 import time
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from cluster.benchmarks.peer_bench import cpu_name
+from cluster.benchmarks.sse import percentile, sse_events
 from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.redis_server import free_port
 from cluster.settings import load_settings
@@ -53,13 +53,6 @@ class PolicyResult:
     noisy_requests: int = 0
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (nearest rank) of ``values``."""
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
-
-
 class Client:
     def __init__(self, http: httpx.AsyncClient, base_url: str, model: str) -> None:
         self.http = http
@@ -78,28 +71,19 @@ class Client:
         start = time.perf_counter()
         first = 0.0
         seen = 0
-        async with self.http.stream("POST", self.url, json=body,
-                                    headers={"Authorization": f"Bearer {key}"}) as response:
-            if response.status_code != 200:
-                await response.aread()
-                raise RuntimeError(f"{response.status_code} {response.text}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    raise RuntimeError(str(event["error"]))
-                now = time.perf_counter()
-                if event.get("choices") and not first:
-                    first = now
-                usage = event.get("usage")
-                if usage is not None:
-                    done = int(usage["completion_tokens"])
-                    if on_tokens is not None and done > seen:
-                        on_tokens(done - seen, now)
-                    seen = max(seen, done)
-                    if phases is not None and "timings_ms" in usage and not event["choices"]:
-                        phases.append(usage["timings_ms"])
+        headers = {"Authorization": f"Bearer {key}"}
+        async for event in sse_events(self.http, self.url, body, headers):
+            now = time.perf_counter()
+            if event.get("choices") and not first:
+                first = now
+            usage = event.get("usage")
+            if usage is not None:
+                done = int(usage["completion_tokens"])
+                if on_tokens is not None and done > seen:
+                    on_tokens(done - seen, now)
+                seen = max(seen, done)
+                if phases is not None and "timings_ms" in usage and not event["choices"]:
+                    phases.append(usage["timings_ms"])
         if seen != num_out:
             raise RuntimeError(f"a request ended after {seen} of {num_out} tokens")
         return first - start

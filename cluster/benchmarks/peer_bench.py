@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import statistics
 import subprocess
@@ -33,6 +32,7 @@ import httpx
 import torch
 
 from cluster.benchmarks import llamacpp
+from cluster.benchmarks.sse import sse_events
 from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.redis_server import free_port
 from cluster.settings import load_settings
@@ -84,21 +84,12 @@ async def run_http(http: httpx.AsyncClient, url: str, headers: dict[str, str], s
             start = time.perf_counter()
             first = last = 0.0
             finish = None
-            async with http.stream("POST", url, headers=headers,
-                                   json={**body, "prompt": ids}) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    raise RuntimeError(f"{system}: {response.status_code} {response.text}")
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        raise RuntimeError(f"{system}: {event['error']}")
-                    for choice in event.get("choices") or ():
-                        last = time.perf_counter()
-                        first = first or last
-                        finish = choice.get("finish_reason") or finish
+            async for event in sse_events(http, url, {**body, "prompt": ids}, headers,
+                                          label=f"{system}: "):
+                for choice in event.get("choices") or ():
+                    last = time.perf_counter()
+                    first = first or last
+                    finish = choice.get("finish_reason") or finish
             # with ignore_eos every request generates exactly num_out tokens: check it ended so
             if finish != "length":
                 raise RuntimeError(f"{system}: a request ended with {finish!r}, not 'length'")
