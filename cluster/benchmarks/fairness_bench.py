@@ -183,16 +183,29 @@ def print_table(results: list[PolicyResult]) -> None:
               f"{f50 / s50:>9.2f}x | {f99 / s99:>9.2f}x | {r.noisy_tokens_per_s:>11.1f}")
 
 
+PHASES = ("queue", "engine_queue", "prefill")
+
+
+def _hops_ms(ttft_s: float, phases: dict[str, float]) -> float:
+    """The part of a time to first token outside the server's phases: the client's request
+    reaching the router, the call to the replica, the first token's way back."""
+    return ttft_s * 1e3 - sum(phases.get(n, 0.0) for n in PHASES)
+
+
 def print_phases(results: list[PolicyResult]) -> None:
-    """Where the quiet requests' time to first token went (medians of the server's timings)."""
-    names = ("queue", "engine_queue", "prefill")
+    """Where the quiet requests' time to first token went (medians of the server's timings,
+    and what is left of the client's TTFT: the hops)."""
+    names = (*PHASES, "hops")
     header = f"{'policy':<8} | {'phase':<5} | " + " | ".join(f"{n + ' ms':>15}" for n in names)
     print(header)
     print("-" * len(header))
     for r in results:
-        for label, phases in (("solo", r.solo_phases), ("flood", r.flood_phases)):
-            cells = [statistics.median(p.get(n, 0.0) for p in phases) if phases else float("nan")
-                     for n in names]
+        for label, ttfts, phases in (("solo", r.solo_ttft_s, r.solo_phases),
+                                     ("flood", r.flood_ttft_s, r.flood_phases)):
+            rows = [[p.get(n, 0.0) for n in PHASES] + [_hops_ms(t, p)]
+                    for t, p in zip(ttfts, phases, strict=True)]
+            cells = [statistics.median(col) for col in zip(*rows, strict=True)] if rows else \
+                [float("nan")] * len(names)
             print(f"{r.policy:<8} | {label:<5} | " + " | ".join(f"{c:>15.1f}" for c in cells))
 
 
@@ -201,7 +214,7 @@ def print_worst(results: list[PolicyResult], n: int = 3) -> None:
     for r in results:
         worst = sorted(zip(r.flood_ttft_s, r.flood_phases, strict=False), key=lambda x: -x[0])[:n]
         cells = ", ".join(f"{t * 1e3:.0f} ms (" + " ".join(
-            f"{k} {p.get(k, 0):.0f}" for k in ("queue", "engine_queue", "prefill")) + ")"
+            f"{k} {p.get(k, 0):.0f}" for k in PHASES) + f" hops {_hops_ms(t, p):.0f})"
             for t, p in worst)
         print(f"{r.policy}: slowest under the flood: {cells}")
 
@@ -230,7 +243,8 @@ def main() -> None:
     print()
     print("the quiet requests' phases, medians of the server's usage.timings_ms (queue: the "
           "tenant queue; engine_queue: arrival at the replica to first scheduled; prefill: first "
-          "scheduled to first token)")
+          "scheduled to first token; hops: the client's TTFT less those, i.e. HTTP, proxy, "
+          "router and the Ray calls both ways)")
     print_phases(results)
     print_worst(results)
 

@@ -72,9 +72,12 @@ def test_one_trace_per_request_joins_the_clients(e2e: E2ECluster, otlp: OtlpRece
         assert earlier.end_ns <= later.start_ns + 1_000_000, (earlier.name, later.name)
     assert server.start_ns <= queue.start_ns and order[-1].end_ns <= server.end_ns
     assert dispatch.start_ns == queue.end_ns
-    phases_s = sum(s.duration_s for s in order)
-    assert abs(server.duration_s - phases_s) <= max(0.005, 0.05 * server.duration_s), \
-        (server.duration_s, phases_s)
+    # What the phases leave out is the hops between router and replica (a Ray call there, the
+    # first and last chunks back): a few ms on an idle machine, up to ~50 ms measured on a
+    # loaded 2-core CI machine (45 ms of 741). The bound still catches a phase that lost its
+    # time: 24 tokens of decode alone take ~0.5 s here.
+    untraced_s = server.duration_s - sum(s.duration_s for s in order)
+    assert 0 <= untraced_s <= max(0.1, 0.1 * server.duration_s), (server.duration_s, untraced_s)
 
     # attributes: the request, the usage of the response, the latencies
     usage = response.usage

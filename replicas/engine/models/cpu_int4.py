@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from replicas.engine.models.cpu_linear import BF16_PROMPT_ROW_TILE
+
 GROUP_SIZE = 32
 INNER_K_TILES = 2
 
@@ -79,7 +81,12 @@ class SplitLinear(nn.Module):
     """One projection held twice: int4 for the rows of generated tokens (decodes: one row per
     sequence, bound by reading the weights) and dense for prompt rows (prefill chunks: many
     rows, bound by arithmetic, where AMX bfloat16 is ~10x the int4 kernel). The flat batch puts
-    generated-token rows first (model_runner.py), so the split is a slice."""
+    generated-token rows first (model_runner.py), so the split is a slice. The dense copy sees
+    only prompt rows, so it is packed for tiles of ``BF16_PROMPT_ROW_TILE`` rows: a prompt row
+    is always computed in such a tile, whatever the chunk (batch invariance as in cpu_linear.py).
+    """
+
+    packed_row_tile = BF16_PROMPT_ROW_TILE
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()

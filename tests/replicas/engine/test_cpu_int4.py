@@ -76,13 +76,15 @@ def test_the_default_model_file_is_4_bit() -> None:
 @pytest.mark.skipif(not can_quantize(nn.Linear(64, 16)), reason="torch has no CPU int4 kernel")
 def test_split_linear_computes_generated_rows_in_int4_and_prompt_rows_dense() -> None:
     from replicas.engine.models.cpu_int4 import SplitLinear
-    from replicas.engine.models.cpu_linear import PackedLinear
+    from replicas.engine.models.cpu_linear import BF16_PROMPT_ROW_TILE, pack_linears
 
     weight, _ = q4_1_weight(576, 576)
     linear = nn.Linear(576, 576, bias=False)
     linear.weight.data = weight
     split = SplitLinear(linear)
-    split.dense = PackedLinear(weight.to(torch.bfloat16), None)  # as pack_for_cpu leaves it
+    split.dense.to(torch.bfloat16)
+    assert pack_linears(nn.Sequential(split)) == 1  # as pack_for_cpu leaves it
+    assert split.dense.row_tile == BF16_PROMPT_ROW_TILE  # prompt rows only: the larger tile
     x = torch.randn(21, 576).bfloat16()
     for num_generated in (0, 1, 5, 21):
         out = split(x, num_generated)

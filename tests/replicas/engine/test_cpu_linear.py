@@ -7,7 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from replicas.engine.models.cpu_linear import BF16_ROW_TILE, PackedLinear, can_pack
+from replicas.engine.models.cpu_linear import (
+    BF16_PROMPT_ROW_TILE,
+    BF16_ROW_TILE,
+    PackedLinear,
+    can_pack,
+)
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32),
                                 reason="torch here has no oneDNN linear packing")
@@ -34,15 +39,19 @@ def test_packed_linear_computes_the_linear_layer(dtype: torch.dtype, bias: bool)
             torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16])
-def test_a_rows_result_does_not_depend_on_its_batch(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("row_tile", [BF16_ROW_TILE, BF16_PROMPT_ROW_TILE])
+def test_a_rows_result_does_not_depend_on_its_batch(row_tile: int) -> None:
     """Bit for bit, in bfloat16: every subset and order of 200 rows gives each row the same
-    output (float32 is not tiled: see the module's NOTE)."""
+    output, with the decode tile and the prompt tile (float32 is not tiled: see the module's
+    NOTE)."""
+    dtype = torch.bfloat16
     generator = torch.Generator().manual_seed(0)
     for in_features, out_features in SHAPES:
-        packed = PackedLinear.from_linear(_layer(in_features, out_features, dtype, False))
+        packed = PackedLinear.from_linear(_layer(in_features, out_features, dtype, False),
+                                          row_tile)
+        assert packed.row_tile == row_tile
         x = torch.randn(200, in_features, generator=generator).to(dtype)
         reference = torch.cat([packed(row[None]) for row in x])  # each row alone
-        for rows in (2, 5, 16, 31, 33, 64, 100, 200):
+        for rows in (2, 5, 16, 31, 33, 63, 64, 65, 100, 128, 200):
             pick = torch.randperm(200, generator=generator)[:rows]
             assert torch.equal(packed(x[pick]), reference[pick]), (dtype, rows)
