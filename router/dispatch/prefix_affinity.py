@@ -11,9 +11,10 @@ NOTE: two views of what each replica has cached, both as the chained hashes of f
 A replica's match is the longer of the two. A request goes to the replica that matches most of
 its leading blocks, if that is at least ``min_match_blocks`` blocks and that
 replica holds no more than ``max_imbalance`` requests beyond the least loaded candidate (the
-requests each replica holds, from Ray's queue-length cache). Otherwise, and when two replicas
-match equally, the less loaded is taken (ties: at random); nothing matched: Ray's power of two
-choices. A replica that cannot take the request (full) makes Ray try the next rank: the other
+requests each replica holds: the larger of Ray's queue-length cache and this router's own count
+of what it placed there and has not seen finish, ``OwnLoads``). Otherwise, and when two replicas
+match equally, the less loaded is taken (ties: at random); nothing matched: the power of two
+choices (the less loaded of two at random, on the same loads). A replica that cannot take the request (full) makes Ray try the next rank: the other
 candidates, least loaded first.
 
 A wrong guess costs prefill time, never a wrong answer (the engine computes whatever its cache
@@ -25,8 +26,9 @@ from __future__ import annotations
 
 import logging
 import random
-from collections import OrderedDict
-from collections.abc import Sequence
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ray.serve.request_router import (
@@ -109,6 +111,70 @@ class PrefixIndex:
         return len(self._blocks.get(replica, ()))
 
 
+class OwnLoads:
+    """The requests this router placed on each replica and has not seen finish.
+
+    NOTE: Ray's queue-length cache lags a burst: Ray asks the request router for several
+    pending requests before it sends the first and counts it, and a cache entry expires after
+    10 s (``RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S``), so sixteen requests arriving together
+    once saw the same counts and all went to the replica with their prefix. So a pick counts
+    at once: ``picked`` when this router ranks a replica first, ``routed`` when Ray says where
+    the request went (it may be another rank), ``completed`` when it ends. A pick that is never
+    routed (its caller went away before the send) is forgotten after ``pick_ttl_s``."""
+
+    def __init__(self, pick_ttl_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pick_ttl_s = pick_ttl_s
+        self._clock = clock
+        self._picks: dict[str, tuple[str, float]] = {}  # request -> (replica, when)
+        self._routed: dict[str, str] = {}  # request -> replica
+        self._counts: Counter[str] = Counter()
+
+    def picked(self, request_id: str, replica: str) -> None:
+        self._drop(request_id)
+        self._expire()
+        self._picks[request_id] = (replica, self._clock())
+        self._counts[replica] += 1
+
+    def routed(self, request_id: str, replica: str) -> None:
+        self._drop(request_id)
+        self._routed[request_id] = replica
+        self._counts[replica] += 1
+
+    def completed(self, request_id: str) -> None:
+        self._drop(request_id)
+
+    def count(self, replica: str) -> int:
+        return self._counts[replica]
+
+    def forget(self, replica: str) -> None:
+        for table in (self._picks, self._routed):
+            for request_id in [r for r, v in table.items() if _replica_of(v) == replica]:
+                del table[request_id]
+        self._counts.pop(replica, None)
+
+    def keep_only(self, replicas: set[str]) -> None:
+        for replica in [r for r in self._counts if r not in replicas]:
+            self.forget(replica)
+
+    def _drop(self, request_id: str) -> None:
+        pick = self._picks.pop(request_id, None)
+        replica = pick[0] if pick is not None else self._routed.pop(request_id, None)
+        if replica is not None:
+            self._counts[replica] -= 1
+            if self._counts[replica] <= 0:
+                del self._counts[replica]
+
+    def _expire(self) -> None:
+        horizon = self._clock() - self.pick_ttl_s
+        for request_id in [r for r, (_, at) in self._picks.items() if at < horizon]:
+            self._drop(request_id)
+
+
+def _replica_of(value: str | tuple[str, float]) -> str:
+    return value if isinstance(value, str) else value[0]
+
+
 def rank_by_affinity(matches: dict[str, int], loads: dict[str, int | None],
                      min_match_blocks: int, max_imbalance: int,
                      rng: random.Random) -> list[str] | None:
@@ -140,6 +206,7 @@ class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRout
         self.min_match_blocks = min_match_blocks
         self.max_imbalance = max_imbalance
         self.index = PrefixIndex(index_blocks)
+        self.own_loads = OwnLoads()
         self._rng = random.Random()
         # the replicas' published cached hashes as sets, rebuilt when Ray hands new stats
         self._published: dict[str, tuple[int, frozenset[int]]] = {}
@@ -157,16 +224,23 @@ class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRout
                               ) -> list[list[RunningReplica]]:
         hashes = self._hashes(pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        if not by_id:
+            return []
+        loads = {rid: max(self._queue_len(r) or 0, self.own_loads.count(rid))
+                 for rid, r in by_id.items()}
+        order = None
         if hashes and len(by_id) > 1:
             matches = {rid: max(self.index.matched_blocks(rid, hashes),
                                 published_match(self._published_set(r), hashes))
                        for rid, r in by_id.items()}
-            loads = {rid: self._queue_len(r) for rid, r in by_id.items()}
             order = rank_by_affinity(matches, loads, self.min_match_blocks, self.max_imbalance,
                                      self._rng)
-            if order is not None:
-                return [[by_id[order[0]]], [by_id[rid] for rid in order[1:]]]
-        return self._power_of_two(candidate_replicas)
+        if order is None:  # power of two choices, on the same loads
+            pair = list(by_id) if len(by_id) <= 2 else self._rng.sample(list(by_id), 2)
+            order = sorted(pair, key=lambda rid: (loads[rid], self._rng.random()))
+        if pending_request is not None:
+            self.own_loads.picked(pending_request.metadata.internal_request_id, order[0])
+        return [[by_id[order[0]]], [by_id[rid] for rid in order[1:]]]
 
     def _published_set(self, replica: RunningReplica) -> frozenset[int]:
         stats = replica.routing_stats or {}
@@ -181,19 +255,20 @@ class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRout
     def _queue_len(self, replica: RunningReplica) -> int | None:
         return self.replica_queue_len_cache.get(replica.replica_id)
 
-    def _power_of_two(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
-        if len(candidates) <= 2:
-            return [list(candidates)]
-        return [self._rng.sample(candidates, 2)]
-
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
+        self.own_loads.routed(pending_request.metadata.internal_request_id, replica_id.unique_id)
         hashes = self._hashes(pending_request)
         if hashes:
             self.index.record(replica_id.unique_id, hashes)
 
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        self.own_loads.completed(internal_request_id)
+
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
+        self.own_loads.forget(replica_id.unique_id)
         self.index.forget(replica_id.unique_id)
         self._published.pop(replica_id.unique_id, None)
 
@@ -201,4 +276,5 @@ class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRout
         super().update_replicas(replicas)
         live = {r.replica_id.unique_id for r in replicas}
         self.index.keep_only(live)
+        self.own_loads.keep_only(live)
         self._published = {rid: v for rid, v in self._published.items() if rid in live}

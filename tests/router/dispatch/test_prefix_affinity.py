@@ -9,6 +9,7 @@ import pytest
 
 from replicas.engine.block_manager import hash_block_tokens
 from router.dispatch.prefix_affinity import (
+    OwnLoads,
     PrefixIndex,
     block_hashes,
     published_match,
@@ -72,3 +73,47 @@ def test_rank_gives_way_to_load_beyond_the_imbalance_and_to_weak_matches() -> No
     assert rank_by_affinity({"a": 1, "b": 1}, {"a": 0, "b": 0}, 2, 8, rng) is None
     # an unknown load does not rule a replica out (Ray probes it when it tries)
     assert rank_by_affinity({"a": 0, "b": 5}, {"a": 0, "b": None}, 1, 8, rng) == ["b", "a"]
+
+
+def test_own_loads_count_picks_at_once_follow_the_route_and_end_with_the_request() -> None:
+    now = [0.0]
+    own = OwnLoads(pick_ttl_s=5.0, clock=lambda: now[0])
+    own.picked("r1", "a")
+    own.picked("r2", "a")
+    assert own.count("a") == 2  # before Ray has sent either
+    own.routed("r1", "a")
+    own.routed("r2", "b")  # Ray took the next rank for r2
+    assert (own.count("a"), own.count("b")) == (1, 1)
+    own.picked("r2", "a")  # a late re-pick of a routed request moves it, never doubles it
+    assert (own.count("a"), own.count("b")) == (2, 0)
+    own.completed("r1")
+    own.completed("r2")
+    own.completed("r2")  # twice, or never seen: nothing goes negative
+    own.completed("unknown")
+    assert (own.count("a"), own.count("b")) == (0, 0)
+    # a pick never routed (its caller went away) is forgotten after the ttl; routed ones stay
+    own.picked("lost", "a")
+    own.routed("long", "b")
+    now[0] = 6.0
+    own.picked("r3", "b")
+    assert (own.count("a"), own.count("b")) == (0, 2)
+    own.forget("b")
+    assert own.count("b") == 0
+    own.completed("long")
+    assert own.count("b") == 0
+
+
+def test_a_burst_with_no_known_loads_still_respects_the_imbalance() -> None:
+    """Sixteen requests sharing a prefix cached on "a", all ranked before Ray has sent any
+    (its cache empty): the router's own picks keep "a" within max_imbalance of "b"."""
+    rng = random.Random(0)
+    own = OwnLoads()
+    placed = []
+    for i in range(16):
+        loads = {r: max(0, own.count(r)) for r in ("a", "b")}  # Ray's cache: unknown (0)
+        order = rank_by_affinity({"a": 3, "b": 0}, loads, 1, 8, rng)
+        replica = order[0] if order is not None else min(loads, key=loads.__getitem__)
+        own.picked(f"r{i}", replica)
+        placed.append(replica)
+    assert placed.count("a") <= placed.count("b") + 8 + 1
+    assert placed.count("b") >= 3 and placed[:9] == ["a"] * 9
