@@ -10,7 +10,7 @@ from torch import nn
 
 from replicas.engine.config import DType, EngineConfig, Quantization
 from replicas.engine.device_choice import ComputeChoice, resolve_quantization
-from replicas.engine.loader.gguf_loader import layer_weight_bits
+from replicas.engine.loader.gguf_loader import layer_weight_bits, tensor_types
 from replicas.engine.models.cpu_int4 import GROUP_SIZE, Int4Linear, can_quantize, quantize_groups
 
 CPU = torch.device("cpu")
@@ -71,6 +71,22 @@ def test_int4_asked_where_it_cannot_run_is_refused_with_the_reason() -> None:
 
 def test_the_default_model_file_is_4_bit() -> None:
     assert layer_weight_bits(EngineConfig().model) == 4
+
+
+def test_the_header_scan_reads_what_the_gguf_reader_reads(tmp_path) -> None:
+    import gguf
+
+    path = EngineConfig().model
+    reader = gguf.GGUFReader(path, "r")
+    assert tensor_types(path) == [(t.name, tuple(int(d) for d in t.shape), int(t.tensor_type))
+                                  for t in reader.tensors]
+    # a file that is not a whole GGUF header: no answer, never a wrong one
+    whole = open(path, "rb").read(200_000)
+    for i, content in enumerate([b"", b"GGUF", b"GGUF\x03\0\0\0" + b"\xff" * 16, whole[:5_000],
+                                 whole[:150_000], b"GGML" + whole[4:]]):
+        broken = tmp_path / f"broken-{i}.gguf"
+        broken.write_bytes(content)
+        assert layer_weight_bits(str(broken)) is None, i
 
 
 @pytest.mark.skipif(not can_quantize(nn.Linear(64, 16)), reason="torch has no CPU int4 kernel")
