@@ -152,49 +152,59 @@ def tensor_types(path: str) -> list[tuple[str, tuple[int, ...], int]]:
 
 
 def _tensor_infos(data: memoryview) -> list[tuple[str, tuple[int, ...], int]]:
-    def u32(at: int) -> int:
-        if at + 4 > len(data):
-            raise ValueError("the GGUF header ends early")
-        return int.from_bytes(data[at:at + 4], "little")
+    header = _Header(data)
+    if bytes(data[:4]) != b"GGUF" or header.u32(4) not in (2, 3):
+        raise ValueError("not a GGUF v2/v3 file")
+    num_tensors, num_fields = header.u64(8), header.u64(16)
+    at = 24
+    for _ in range(num_fields):
+        at += 8 + header.u64(at)  # the key
+        at = header.skip_value(at + 4, header.u32(at))
+    tensors = []
+    for _ in range(num_tensors):
+        length = header.u64(at)
+        name = bytes(data[at + 8:at + 8 + length]).decode("utf-8")
+        at += 8 + length
+        num_dims = header.u32(at)
+        dims = tuple(header.u64(at + 4 + 8 * i) for i in range(num_dims))
+        at += 4 + 8 * num_dims
+        tensors.append((name, dims, header.u32(at)))
+        at += 12  # the type and the data offset
+    return tensors
 
-    def u64(at: int) -> int:
-        if at + 8 > len(data):
-            raise ValueError("the GGUF header ends early")
-        return int.from_bytes(data[at:at + 8], "little")
 
-    def skip_value(at: int, value_type: int) -> int:
+class _Header:
+    """Little-endian reads at byte offsets of a GGUF header; past its end: ``ValueError``."""
+
+    def __init__(self, data: memoryview) -> None:
+        self.data = data
+
+    def u32(self, at: int) -> int:
+        return self._uint(at, 4)
+
+    def u64(self, at: int) -> int:
+        return self._uint(at, 8)
+
+    def skip_value(self, at: int, value_type: int) -> int:
+        """The offset after a metadata value of ``value_type`` starting at ``at``."""
         if value_type in _GGUF_SCALAR_SIZES:
             return at + _GGUF_SCALAR_SIZES[value_type]
         if value_type == _GGUF_STRING:
-            return at + 8 + u64(at)
+            return at + 8 + self.u64(at)
         if value_type != _GGUF_ARRAY:
             raise ValueError(f"unknown GGUF value type {value_type}")
-        element_type, count = u32(at), u64(at + 4)
+        element_type, count = self.u32(at), self.u64(at + 4)
         at += 12
         if element_type in _GGUF_SCALAR_SIZES:
             return at + count * _GGUF_SCALAR_SIZES[element_type]
         for _ in range(count):
-            at = skip_value(at, element_type)
+            at = self.skip_value(at, element_type)
         return at
 
-    if bytes(data[:4]) != b"GGUF" or u32(4) not in (2, 3):
-        raise ValueError("not a GGUF v2/v3 file")
-    num_tensors, num_fields = u64(8), u64(16)
-    at = 24
-    for _ in range(num_fields):
-        at += 8 + u64(at)  # the key
-        at = skip_value(at + 4, u32(at))
-    tensors = []
-    for _ in range(num_tensors):
-        length = u64(at)
-        name = bytes(data[at + 8:at + 8 + length]).decode("utf-8")
-        at += 8 + length
-        num_dims = u32(at)
-        dims = tuple(u64(at + 4 + 8 * i) for i in range(num_dims))
-        at += 4 + 8 * num_dims
-        tensors.append((name, dims, u32(at)))
-        at += 12  # the type and the data offset
-    return tensors
+    def _uint(self, at: int, size: int) -> int:
+        if at + size > len(self.data):
+            raise ValueError("the GGUF header ends early")
+        return int.from_bytes(self.data[at:at + size], "little")
 
 
 def _type_bits(type_name: str) -> int:

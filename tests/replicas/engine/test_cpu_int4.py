@@ -81,7 +81,8 @@ def test_the_header_scan_reads_what_the_gguf_reader_reads(tmp_path) -> None:
     assert tensor_types(path) == [(t.name, tuple(int(d) for d in t.shape), int(t.tensor_type))
                                   for t in reader.tensors]
     # a file that is not a whole GGUF header: no answer, never a wrong one
-    whole = open(path, "rb").read(200_000)
+    with open(path, "rb") as file:
+        whole = file.read(200_000)
     for i, content in enumerate([b"", b"GGUF", b"GGUF\x03\0\0\0" + b"\xff" * 16, whole[:5_000],
                                  whole[:150_000], b"GGML" + whole[4:]]):
         broken = tmp_path / f"broken-{i}.gguf"
