@@ -14,8 +14,8 @@ replica holds no more than ``max_imbalance`` requests beyond the least loaded ca
 requests each replica holds: the larger of Ray's queue-length cache and this router's own count
 of what it placed there and has not seen finish, ``OwnLoads``). Otherwise, and when two replicas
 match equally, the less loaded is taken (ties: at random); nothing matched: the power of two
-choices (the less loaded of two at random, on the same loads). A replica that cannot take the request (full) makes Ray try the next rank: the other
-candidates, least loaded first.
+choices (the less loaded of two at random, on the same loads). A replica that cannot take the
+request (full) makes Ray try the next rank: the other candidates, least loaded first.
 
 A wrong guess costs prefill time, never a wrong answer (the engine computes whatever its cache
 lacks). Generated tokens are not indexed: the router only knows prompts (and the int4 engine
@@ -114,13 +114,16 @@ class PrefixIndex:
 class OwnLoads:
     """The requests this router placed on each replica and has not seen finish.
 
-    NOTE: Ray's queue-length cache lags a burst: Ray asks the request router for several
-    pending requests before it sends the first and counts it, and a cache entry expires after
-    10 s (``RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S``), so sixteen requests arriving together
-    once saw the same counts and all went to the replica with their prefix. So a pick counts
-    at once: ``picked`` when this router ranks a replica first, ``routed`` when Ray says where
-    the request went (it may be another rank), ``completed`` when it ends. A pick that is never
-    routed (its caller went away before the send) is forgotten after ``pick_ttl_s``."""
+    NOTE: Ray's queue-length cache alone left two holes. An entry expires 10 s after its last
+    update (``RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S``) and is refreshed only by sends to and
+    probes of that replica; a replica that affinity kept passing over lost its entry, the least
+    load was then taken over the known entries only, and the favoured replica, measured
+    against itself, stayed eligible up to ``max_ongoing_requests``. And Ray may ask the router
+    to rank a burst's requests before it counts the first send. So this router counts what it
+    places, at once: ``picked`` when it ranks a replica first, ``routed`` when Ray says where
+    the request went (it may be another rank), ``completed`` when it ends; a pick never routed
+    (its caller went away before the send) is forgotten after ``pick_ttl_s``. A replica's load
+    is the larger of this count and Ray's entry (which also sees other routers' requests)."""
 
     def __init__(self, pick_ttl_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
