@@ -37,8 +37,11 @@ def start(tmp_path: Path, settings: dict[str, Any]) -> tuple[UpProcess, str, str
     return up, run["base_url"], key, run["redis_url"]
 
 
-def pids_titled(title: str) -> list[int]:
-    """Processes whose command line (Ray's process title) contains ``title``."""
+def pids_titled(title: str, under: int | None) -> list[int]:
+    """Processes whose command line (Ray's process title) contains ``title`` and that descend
+    from process ``under`` (the test's ``fairserve up``: its Ray and Redis are its children),
+    so another cluster on the machine (the e2e suite's, a developer's) is never touched;
+    ``None``: any process (for a title that is unique by itself, such as a port)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -47,9 +50,20 @@ def pids_titled(title: str) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if title in cmdline:
+        if title in cmdline and (under is None or _descends_from(int(entry.name), under)):
             found.append(int(entry.name))
     return sorted(found)
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:  # the parent is the 2nd field after the command name, which may hold spaces
+            pid = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
 
 
 def kill(pid: int, sig: signal.Signals = signal.SIGKILL) -> None:

@@ -61,12 +61,12 @@ async def sigterm_under_load(base: str, key: str, replica: int) -> list[StreamRe
     return results
 
 
-def replicas_settled(before: set[int], timeout_s: float = 60.0) -> set[int]:
+def replicas_settled(before: set[int], under: int, timeout_s: float = 60.0) -> set[int]:
     """The replica processes once the old ones have exited (Serve returns from a redeploy
     when the new replicas run; the old ones may still be finishing their shutdown)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        now = set(pids_titled(REPLICA_TITLE))
+        now = set(pids_titled(REPLICA_TITLE, under))
         if (len(now) == 1 and not (now & before)) or time.monotonic() > deadline:
             return now
         time.sleep(0.5)
@@ -84,10 +84,10 @@ def test_a_redeploy_a_scale_down_and_a_sigterm_under_16_streams_cut_no_stream(tm
     up, base, key, redis_url = start(tmp_path, settings(2))
     try:
         expected = asyncio.run(references(base, key))
-        before = set(pids_titled(REPLICA_TITLE))
+        before = set(pids_titled(REPLICA_TITLE, up.process.pid))
         results = asyncio.run(redeploy_under_load(base, key, str(tmp_path / "fairserve.yaml"),
                                                   redis_url))
-        after = replicas_settled(before)
+        after = replicas_settled(before, up.process.pid)
         (fresh,) = after - before  # one new replica took over
         check(results, expected)
 

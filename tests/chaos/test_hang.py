@@ -43,13 +43,13 @@ def migrations(base: str) -> float:
                if line.startswith("fairserve_migrations_total"))
 
 
-async def freeze_a_replica(base: str, key: str) -> list[StreamResult]:
+async def freeze_a_replica(base: str, key: str, up_pid: int) -> list[StreamResult]:
     results = [StreamResult() for _ in range(NUM_STREAMS)]
     async with httpx.AsyncClient(timeout=600) as client:
         tasks = [asyncio.create_task(stream_chat(client, base, key, body, result))
                  for body, result in zip(bodies(), results, strict=True)]
         await wait_for_tokens(results, min_chars=8, timeout_s=120)
-        (victim, *_) = pids_titled(REPLICA_TITLE)
+        (victim, *_) = pids_titled(REPLICA_TITLE, up_pid)
         kill(victim, signal.SIGSTOP)
         try:
             await asyncio.gather(*tasks)
@@ -74,7 +74,7 @@ def test_sigstop_of_a_replica_moves_its_streams_and_a_long_prefill_does_not(tmp_
         assert migrations(base) == 0
 
         expected = asyncio.run(references(base, key))
-        results = asyncio.run(freeze_a_replica(base, key))
+        results = asyncio.run(freeze_a_replica(base, key, up.process.pid))
         for i, (result, text) in enumerate(zip(results, expected, strict=True)):
             assert result.status == 200 and not result.errors, (i, result.errors)
             assert result.num_done == 1 and result.finish_reasons == ["length"], (i, result)

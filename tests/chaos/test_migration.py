@@ -64,13 +64,14 @@ async def references(base: str, key: str) -> list[str]:
     return [result.text for result in results]
 
 
-async def kill_a_replica_under_load(base: str, key: str) -> tuple[list[StreamResult], int]:
+async def kill_a_replica_under_load(base: str, key: str, up_pid: int
+                                    ) -> tuple[list[StreamResult], int]:
     results = [StreamResult() for _ in range(NUM_STREAMS)]
     async with httpx.AsyncClient(timeout=600) as client:
         tasks = [asyncio.create_task(stream_chat(client, base, key, body, result))
                  for body, result in zip(bodies(), results, strict=True)]
         await wait_for_tokens(results, min_chars=8, timeout_s=120)
-        (victim, *_) = pids_titled(REPLICA_TITLE)
+        (victim, *_) = pids_titled(REPLICA_TITLE, up_pid)
         kill(victim, signal.SIGKILL)
         await asyncio.gather(*tasks)
     return results, victim
@@ -91,11 +92,11 @@ def test_kill_9_of_a_replica_under_16_streams_is_invisible_to_clients(tmp_path,
     up, base, key, _ = start(tmp_path, settings(num_replicas))
     try:
         expected = asyncio.run(references(base, key))
-        before = pids_titled(REPLICA_TITLE)
+        before = pids_titled(REPLICA_TITLE, up.process.pid)
         assert len(before) == num_replicas
-        results, victim = asyncio.run(kill_a_replica_under_load(base, key))
+        results, victim = asyncio.run(kill_a_replica_under_load(base, key, up.process.pid))
         check(results, expected)
-        assert victim not in pids_titled(REPLICA_TITLE)  # it really died
+        assert victim not in pids_titled(REPLICA_TITLE, up.process.pid)  # it really died
         metrics = httpx.get(base.removesuffix("/v1") + "/metrics", timeout=30).text
         migrated = [line for line in metrics.splitlines()
                     if line.startswith("fairserve_migrations_total")]

@@ -145,7 +145,7 @@ def test_overload_only_refuses_and_leaves_nothing(tmp_path) -> None:
     try:
         tenant_keys = {t: add_tenant_with_key(redis_url, Tenant(id=t, max_queued=MAX_QUEUED))
                        for t in (*QUIET, "noisy", "c", "d")}
-        (router_pid,) = pids_titled(ROUTER_TITLE)
+        (router_pid,) = pids_titled(ROUTER_TITLE, under=up.process.pid)
         rss_start = rss_mb(router_pid)
 
         # 10x: 40 clients over five tenants

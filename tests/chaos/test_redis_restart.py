@@ -43,7 +43,7 @@ async def restart_redis_under_load(base: str, key: str, redis_port: int, data_di
         tasks = [asyncio.create_task(stream_chat(client, base, key, body, result))
                  for body, result in zip(bodies()[:NUM_STREAMS], results, strict=True)]
         await wait_for_tokens(results, min_chars=8, timeout_s=120)
-        (server,) = pids_titled(f"redis-server 127.0.0.1:{redis_port}")
+        (server,) = pids_titled(f"redis-server 127.0.0.1:{redis_port}", None)
         kill(server, signal.SIGKILL)
         deadline = time.monotonic() + OUTAGE_S
         while time.monotonic() < deadline:  # new requests while Redis is down

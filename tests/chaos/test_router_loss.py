@@ -36,13 +36,14 @@ def settings() -> dict:
     }
 
 
-async def kill_the_router(base: str, key: str) -> tuple[list[StreamResult], list[int]]:
+async def kill_the_router(base: str, key: str, up_pid: int
+                          ) -> tuple[list[StreamResult], list[int]]:
     results = [StreamResult() for _ in range(NUM_STREAMS)]
     async with httpx.AsyncClient(timeout=httpx.Timeout(30, read=60)) as client:
         tasks = [asyncio.create_task(resilient_stream(client, base, key, body, result))
                  for body, result in zip(bodies(), results, strict=True)]
         await wait_for_tokens(results, min_chars=8, timeout_s=120)
-        (router,) = pids_titled(ROUTER_TITLE)
+        (router,) = pids_titled(ROUTER_TITLE, up_pid)
         kill(router, signal.SIGKILL)
         reconnects = await asyncio.gather(*tasks)
     return results, reconnects
@@ -53,7 +54,7 @@ def test_kill_9_of_the_router_holding_16_streams_clients_resume_and_miss_nothing
     up, base, key, _ = start(tmp_path, settings())
     try:
         expected = asyncio.run(references(base, key))
-        results, reconnects = asyncio.run(kill_the_router(base, key))
+        results, reconnects = asyncio.run(kill_the_router(base, key, up.process.pid))
         assert sum(reconnects) >= NUM_STREAMS  # every client lost its connection
         for i, (result, text) in enumerate(zip(results, expected, strict=True)):
             assert not result.errors, (i, result.errors)
