@@ -71,6 +71,7 @@ class Client:
         start = time.perf_counter()
         first = 0.0
         seen = 0
+        timings: dict[str, float] | None = None
         headers = {"Authorization": f"Bearer {key}"}
         async for event in sse_events(self.http, self.url, body, headers):
             now = time.perf_counter()
@@ -82,10 +83,14 @@ class Client:
                 if on_tokens is not None and done > seen:
                     on_tokens(done - seen, now)
                 seen = max(seen, done)
-                if phases is not None and "timings_ms" in usage and not event["choices"]:
-                    phases.append(usage["timings_ms"])
+                if "timings_ms" in usage and not event["choices"]:
+                    timings = usage["timings_ms"]
         if seen != num_out:
             raise RuntimeError(f"a request ended after {seen} of {num_out} tokens")
+        if phases is not None:  # one entry per request, kept beside its TTFT
+            if timings is None:
+                raise RuntimeError("the final usage chunk had no timings_ms")
+            phases.append(timings)
         return first - start
 
 

@@ -28,7 +28,7 @@ import logging
 import random
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ray.serve.request_router import (
@@ -178,7 +178,7 @@ def _replica_of(value: str | tuple[str, float]) -> str:
     return value if isinstance(value, str) else value[0]
 
 
-def rank_by_affinity(matches: dict[str, int], loads: dict[str, int | None],
+def rank_by_affinity(matches: dict[str, int], loads: Mapping[str, int | None],
                      min_match_blocks: int, max_imbalance: int,
                      rng: random.Random) -> list[str] | None:
     """Replicas in the order to try them, or None when affinity has nothing to say (no match
