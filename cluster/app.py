@@ -18,7 +18,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from cluster.autoscaling import AutoscaleSettings, BacklogPolicy
-from cluster.settings import FairserveSettings, RoutingPolicy
+from cluster.settings import REPLICA_STOP_MARGIN_S, FairserveSettings, RoutingPolicy
 from replicas.engine.local_path import absolute_path
 from replicas.server import EngineFactory, ModelReplica, ReplicaOptions
 from router.api.prompt_tokenizer import ModelInfo
@@ -53,7 +53,7 @@ def build_app(settings: FairserveSettings, model: ModelInfo, redis_url: str,
         health_check_period_s=r.health_check_period_s,
         health_check_timeout_s=r.health_check_timeout_s,
         # Ray Serve's own wait comes on top of the replica's drain in __del__
-        graceful_shutdown_timeout_s=r.graceful_shutdown_timeout_s + 5,
+        graceful_shutdown_timeout_s=r.graceful_shutdown_timeout_s + REPLICA_STOP_MARGIN_S,
         request_router_config=request_router_config(settings),
     ).bind(options, engine_factory)  # type: ignore[attr-defined]
     ro = settings.router
@@ -65,6 +65,9 @@ def build_app(settings: FairserveSettings, model: ModelInfo, redis_url: str,
         name=ROUTER_DEPLOYMENT,
         num_replicas=ro.num_replicas,
         max_ongoing_requests=ro.max_ongoing_requests,
+        # Serve waits this long for the router's open HTTP requests (its clients' streams)
+        # before it stops it: a redeploy must not cut them (tests/chaos/test_drain.py)
+        graceful_shutdown_timeout_s=ro.graceful_shutdown_timeout_s,
         ray_actor_options={"num_cpus": ro.num_cpus, "resources": dict(ro.resources),
                            "runtime_env": otel_runtime_env()},
     ).bind(replica, model, redis_url, api, settings.queues,  # type: ignore[attr-defined]

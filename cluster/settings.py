@@ -30,6 +30,8 @@ from router.config import ApiSettings, QueueSettings
 from router.dispatch.dispatcher import DispatchSettings
 from router.state.redis_client import password_of, with_password
 
+# Ray Serve's wait for a stopping model replica beyond the replica's own drain (cluster/app.py)
+REPLICA_STOP_MARGIN_S = 5.0
 DEFAULT_STATE_DIR = Path(".fairserve")  # cluster/cli.py spells it too (it must not import torch)
 _YAML_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("yaml", default=None)
 
@@ -99,6 +101,12 @@ class RouterSettings(_Branch):
     max_ongoing_requests: int = Field(
         2000, ge=1, description="HTTP requests one router replica holds at once (most wait)"
     )
+    graceful_shutdown_timeout_s: float = Field(
+        90.0, ge=0, description="how long a stopping router keeps relaying its clients' "
+        "streams before it exits (a redeploy replaces the routers and the model replicas at "
+        "once, so its streams wait for the replicas' drain, a migration and a new replica); "
+        "above replicas.graceful_shutdown_timeout_s + 5, and below the pods' "
+        "terminationGracePeriodSeconds")
     api: ApiSettings = Field(default_factory=ApiSettings)
     dispatch: DispatchSettings = Field(default_factory=DispatchSettings)
 
@@ -166,6 +174,13 @@ class FairserveSettings(BaseSettings):
                 f"replicas.max_ongoing_requests ({slots}) exceeds engine.max_num_seqs "
                 f"({self.engine.max_num_seqs}): requests would wait inside the engine, out of "
                 "sight of the fair queues")
+        replica_stop_s = self.replicas.graceful_shutdown_timeout_s + REPLICA_STOP_MARGIN_S
+        if self.router.graceful_shutdown_timeout_s <= replica_stop_s:
+            raise ValueError(
+                f"router.graceful_shutdown_timeout_s ({self.router.graceful_shutdown_timeout_s}) "
+                f"is not above replicas.graceful_shutdown_timeout_s + {REPLICA_STOP_MARGIN_S:g} "
+                f"({replica_stop_s:g}): a redeploy would stop the routers while their clients' "
+                "streams still wait for the old replicas, and cut them")
         if self.router.api.max_n > self.engine.max_num_seqs:
             raise ValueError(
                 f"router.api.max_n ({self.router.api.max_n}) exceeds engine.max_num_seqs "

@@ -4,9 +4,13 @@
     python -m tests.chaos.redeploy CONFIG.yaml REDIS_URL '{"replicas": {"num_replicas": 1}}'
 
 It joins the cluster's Ray (``address="auto"``, the launcher's namespace), builds the
-application from the settings file with the overrides, and ``serve.run``s it over the running
-one: Serve stops the replicas the new version does not keep, each within its graceful shutdown
-timeout, and starts the new ones.
+application from the settings file with the overrides, prints ``ready``, and waits for a line
+on its standard input before it ``serve.run``s the new application over the running one: a test
+starts it first and says go when its streams are running, so the redeploy lands mid-stream and
+not seconds later, after Ray's start-up (a redeploy that began only after the streams had ended
+would prove nothing). It prints ``deploying`` as it starts and ``redeployed`` when Serve reports
+the new version running. Serve stops the replicas the new version does not keep, each within its
+graceful shutdown timeout, and starts the new ones. With no standard input it goes at once.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ def main(config_path: str, redis_url: str, overrides_json: str) -> int:
     settings = load_settings(**merge(base, json.loads(overrides_json)))
     ray.init(address="auto", namespace="fairserve", log_to_driver=False)
     app = build_app(settings, describe_model(settings.engine), redis_url)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    print("deploying", flush=True)
     serve.run(app, name=settings.app_name, route_prefix="/")
     print("redeployed", flush=True)
     ray.shutdown()

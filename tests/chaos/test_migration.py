@@ -42,23 +42,24 @@ def settings(num_replicas: int) -> dict[str, Any]:
     }
 
 
-def bodies() -> list[dict[str, Any]]:
+def bodies(max_tokens: int = MAX_TOKENS) -> list[dict[str, Any]]:
     out = []
     for i, topic in enumerate(TOPICS[:NUM_STREAMS]):
         sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "seed": 100 + i}
-        out.append({"model": MODEL, "max_tokens": MAX_TOKENS, "ignore_eos": True, **sampling,
+        out.append({"model": MODEL, "max_tokens": max_tokens, "ignore_eos": True, **sampling,
                     "messages": [{"role": "user", "content": f"Tell me a story about {topic}."}],
                     "stream_options": {"include_usage": True}})
     return out
 
 
-async def references(base: str, key: str) -> list[str]:
+async def references(base: str, key: str, max_tokens: int = MAX_TOKENS) -> list[str]:
     """The texts with nothing killed (all at once: the engine's batched output equals each
     request's alone, which the engine's parity tests show)."""
-    results = [StreamResult() for _ in bodies()]
+    results = [StreamResult() for _ in bodies(max_tokens)]
     async with httpx.AsyncClient(timeout=300) as client:
         await asyncio.gather(*(stream_chat(client, base, key, body, result)
-                               for body, result in zip(bodies(), results, strict=True)))
+                               for body, result in zip(bodies(max_tokens), results,
+                                                       strict=True)))
     for result in results:
         assert not result.errors and result.num_done == 1, result.errors
     return [result.text for result in results]

@@ -51,6 +51,17 @@ def test_slots_beyond_the_engine_batch_are_refused() -> None:
         load_settings(replicas={"max_ongoing_requests": 128}, engine={"max_num_seqs": 64})
 
 
+def test_a_router_drain_shorter_than_the_replicas_stop_is_refused() -> None:
+    """A redeploy replaces routers and replicas at once: a router that stops before the old
+    replicas are gone cuts its clients' streams (tests/chaos/test_drain.py)."""
+    with pytest.raises(ValidationError, match=r"router.graceful_shutdown_timeout_s \(30.0\)"):
+        load_settings(replicas={"graceful_shutdown_timeout_s": 30},
+                      router={"graceful_shutdown_timeout_s": 30})
+    settings = load_settings(replicas={"graceful_shutdown_timeout_s": 30},
+                             router={"graceful_shutdown_timeout_s": 35.5})
+    assert settings.router.graceful_shutdown_timeout_s == 35.5
+
+
 def test_a_missing_settings_file_is_named(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         load_settings(tmp_path / "nope.yaml")

@@ -148,6 +148,9 @@ def test_helm_refuses_a_bad_value_naming_it(bad: dict, named: str) -> None:
     ({"fairserve": {"router": {"num_cpus": 3}}}, "does not fit a router pod"),
     ({"fairserve": {"replicas": {"max_ongoing_requests": 100}}},
      "exceeds fairserve.engine.max_num_seqs"),
+    ({"fairserve": {"router": {"graceful_shutdown_timeout_s": 30}}},
+     "fairserve.router.graceful_shutdown_timeout_s (30) is not above"),
+    ({"ray": {"terminationGracePeriodSeconds": 60}}, "ray.terminationGracePeriodSeconds (60)"),
     ({"gcsFaultTolerance": {"enabled": True}, "redis": {"mode": "external", "external": {
         "url": "redis://h:6379/0"}}}, "gcsFaultTolerance.redisAddress"),
 ])

@@ -9,7 +9,7 @@ is written without its password (each process adds it from its environment).
 {{- $s := include "fairserve.settings" . | fromYaml -}}
 {{- $r := $s.replicas -}}
 {{- $ro := $s.router -}}
-{{- $router := dict "name" "Router" "num_replicas" $ro.num_replicas "max_ongoing_requests" $ro.max_ongoing_requests "ray_actor_options" (dict "num_cpus" $ro.num_cpus "resources" $ro.resources) -}}
+{{- $router := dict "name" "Router" "num_replicas" $ro.num_replicas "max_ongoing_requests" $ro.max_ongoing_requests "graceful_shutdown_timeout_s" $ro.graceful_shutdown_timeout_s "ray_actor_options" (dict "num_cpus" $ro.num_cpus "resources" $ro.resources) -}}
 {{- $replica := dict "name" "ModelReplica" "max_ongoing_requests" $r.max_ongoing_requests "health_check_period_s" $r.health_check_period_s "health_check_timeout_s" $r.health_check_timeout_s "graceful_shutdown_timeout_s" (addf $r.graceful_shutdown_timeout_s 5) "ray_actor_options" (dict "num_cpus" $r.num_cpus "num_gpus" $r.num_gpus "resources" $r.resources) -}}
 {{- if $r.autoscaling -}}
 {{- $a := $r.autoscaling -}}
