@@ -11,6 +11,8 @@
 #   make bench-fairness  a quiet tenant's time to first token alone and under another tenant's
 #                        flood, engine scheduling fcfs vs fair, one run
 #   make bench-affinity  multi-turn chats on two replicas, least-loaded vs prefix-affinity routing
+#   make bench-serving-path  CPU ms per streamed token of router, proxy, Redis and replica at
+#                            1/32/128 streams, real engine and a no-model token source
 #   make image       build the CPU container image localhost/fairserve-cpu:<version> (root)
 #   make test-image  build it and serve from inside it (tests/deploy/test_image.py; minutes)
 #   make helm-values regenerate the Helm chart's values.yaml and values.schema.json
@@ -22,7 +24,7 @@ STAMP  := $(VENV)/.installed-stamp
 CHECKOV := .venv-checkov/bin/checkov
 PYTEST_ARGS ?=
 
-.PHONY: install up test test-fast helm-values image test-image image-tools bench bench-cluster bench-tracing bench-autoscale bench-peer bench-fairness bench-affinity lint clean
+.PHONY: install up test test-fast helm-values image test-image image-tools bench bench-cluster bench-tracing bench-autoscale bench-peer bench-fairness bench-affinity bench-serving-path lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -66,6 +68,9 @@ helm-values: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m replicas.engine.bench
+
+bench-serving-path: $(STAMP)
+	$(PY) -m cluster.benchmarks.serving_path
 
 bench-peer: $(STAMP)
 	$(PY) -m cluster.benchmarks.peer_bench

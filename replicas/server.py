@@ -31,8 +31,8 @@ from replicas.engine.interface import (
 )
 from replicas.engine.sampling_params import GuideKind, SamplingParams, StructuredOutput
 from replicas.load_report import LoadReporter
+from replicas.protocol import PUBLISHED_BLOCKS, PUBLISHED_VERSION
 from replicas.tracing import record_engine_spans
-from router.dispatch.prefix_affinity import PUBLISHED_BLOCKS, PUBLISHED_VERSION
 from router.state.capacity import ReplicaLoad
 from router.telemetry.tracing import configure_tracing
 

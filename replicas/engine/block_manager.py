@@ -33,14 +33,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from replicas.engine.sequence import Sequence
+from replicas.protocol import ROOT_HASH, hash_block_tokens  # the router hashes prompts alike
 
-# Stands in for the parent hash of a sequence's first block.
-ROOT_HASH = 0x5EED_F00D_CAFE_BEEF
-
-
-def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """The chained hash of one full block (deterministic within a process)."""
-    return hash((ROOT_HASH if parent_hash is None else parent_hash, token_ids))
+__all__ = ["ROOT_HASH", "Block", "BlockManager", "hash_block_tokens"]
 
 
 @dataclass(slots=True)

@@ -10,15 +10,20 @@ import enum
 from dataclasses import dataclass
 
 from replicas.engine.errors import InvalidRequestError
+from replicas.protocol import (  # the limits the router checks too
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_N,
+    MAX_PRESENCE_FREQUENCY_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+)
 
-MAX_STOP_STRINGS = 16
-MAX_TOP_LOGPROBS = 20
-MAX_TEMPERATURE = 2.0
-MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
-MAX_LOGIT_BIAS = 100.0
-MAX_PRESENCE_FREQUENCY_PENALTY = 2.0
-MAX_REPETITION_PENALTY = 1e9
-MAX_N = 128  # OpenAI's limit; a deployment sets its own below it (router.api.max_n)
+__all__ = ["MAX_LOGIT_BIAS", "MAX_LOGIT_BIAS_ENTRIES", "MAX_N", "MAX_PRESENCE_FREQUENCY_PENALTY",
+           "MAX_REPETITION_PENALTY", "MAX_STOP_STRINGS", "MAX_TEMPERATURE", "MAX_TOP_LOGPROBS",
+           "GuideKind", "SamplingParams", "StructuredOutput"]
 
 
 class GuideKind(enum.StrEnum):

@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from replicas.engine.sampling_params import MAX_REPETITION_PENALTY
+from replicas.protocol import MAX_REPETITION_PENALTY
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20

@@ -41,13 +41,9 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from replicas.engine.block_manager import hash_block_tokens
+from replicas.protocol import PUBLISHED_BLOCKS, PUBLISHED_VERSION, hash_block_tokens
 
 logger = logging.getLogger(__name__)
-
-# the keys of a replica's routing stats (replicas/server.py, ModelReplica.record_routing_stats)
-PUBLISHED_BLOCKS = "cached_block_hashes"
-PUBLISHED_VERSION = "cached_version"
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from replicas.engine.block_manager import hash_block_tokens
+from replicas.protocol import hash_block_tokens
 from router.dispatch.prefix_affinity import (
     OwnLoads,
     PrefixIndex,

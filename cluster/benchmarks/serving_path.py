@@ -1,0 +1,199 @@
+"""What the serving path costs a streamed token: CPU per process, on the real cluster.
+
+    python -m cluster.benchmarks.serving_path [--source both|engine|token-source]
+        [--streams 1 32 128] [--output-tokens 128] [--step-ms 10]
+
+Starts ``fairserve``'s own launcher (embedded Redis, local Ray, one model replica, one router:
+``make up``'s shape) and streams ``--streams`` requests at once over HTTP (``/v1/completions``,
+a 16-token prompt given as ids, ``ignore_eos``, exactly ``--output-tokens`` tokens each), then
+reads each process's CPU time (``/proc/<pid>/stat``, user + system) over the run and divides
+it by the tokens streamed: the router, Ray Serve's HTTP proxy, redis-server, the model replica,
+and this client. The serving path is router + proxy + Redis.
+
+Two sources of tokens, each in its own cluster: ``engine``, the real model (``make up``'s
+engine settings), and ``token-source``, a replica whose engine does no model work
+(``cluster.benchmarks.token_source``, benchmark only) and gives each running request a token
+every ``--step-ms``, so the path is driven harder than a CPU model can; there the router's
+tokens per CPU second say how many tokens one router core relays.
+
+Also printed: the router's resident memory, and whether and how long ``import router.server``
+takes in a fresh interpreter and whether it loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from cluster.benchmarks.peer_bench import cpu_name, run_http
+from cluster.benchmarks.token_source import token_source_factory
+from cluster.launcher import LocalCluster, add_tenant_with_key
+from cluster.redis_server import free_port
+from cluster.settings import load_settings
+from router.state.tenants import Tenant
+
+PROCESSES = {  # what each process's command line (Ray's process title) holds
+    "router": "ServeReplica:fairserve:Router",
+    "proxy": "ProxyActor",
+    "redis": "redis-server",
+    "replica": "ServeReplica:fairserve:ModelReplica",
+}
+SERVING_PATH = ("router", "proxy", "redis")
+PROMPT_TOKENS = 16
+TICKS_S = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    source: str
+    num_streams: int
+    num_tokens: int
+    wall_s: float
+    cpu_s: dict[str, float]  # process -> CPU seconds over the run (client: this process)
+    router_rss_mb: float
+
+    def ms_per_token(self, name: str) -> float:
+        return self.cpu_s[name] / self.num_tokens * 1e3
+
+    @property
+    def path_ms_per_token(self) -> float:
+        return sum(self.ms_per_token(name) for name in SERVING_PATH)
+
+
+def descendants(root: int) -> dict[int, str]:
+    """Processes below ``root`` (this benchmark's Ray and Redis), with their command lines."""
+    parents: dict[int, int] = {}
+    cmdlines: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdlines[int(entry.name)] = (entry / "cmdline").read_bytes().replace(
+                b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+
+    def below(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 1)
+            if pid == root:
+                return True
+        return False
+
+    return {pid: line for pid, line in cmdlines.items() if below(pid)}
+
+
+def find_processes() -> dict[str, int]:
+    found = descendants(os.getpid())
+    pids = {}
+    for name, title in PROCESSES.items():
+        matches = [pid for pid, line in found.items() if title in line]
+        if len(matches) != 1:
+            raise RuntimeError(f"expected one {name} process ({title!r}), found {matches}")
+        pids[name] = matches[0]
+    return pids
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS_S  # utime, stime
+
+
+def rss_mb(pid: int) -> float:
+    for line in (Path("/proc") / str(pid) / "status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def measure(base_url: str, key: str, model: str, source: str, num_streams: int,
+                  num_tokens: int, pids: dict[str, int]) -> Measured:
+    prompts = [[1000 + (i * PROMPT_TOKENS + j) % 20000 for j in range(PROMPT_TOKENS)]
+               for i in range(num_streams)]
+    limits = httpx.Limits(max_connections=num_streams + 8)
+    async with httpx.AsyncClient(timeout=900, limits=limits) as http:
+        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        client_before = time.process_time()
+        run = await run_http(http, f"{base_url}/completions",
+                             {"Authorization": f"Bearer {key}"}, source, prompts,
+                             num_streams, num_tokens, model)
+        cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+        cpu["client"] = time.process_time() - client_before
+    return Measured(source, num_streams, num_streams * num_tokens, run.wall_s, cpu,
+                    rss_mb(pids["router"]))
+
+
+def run_cluster(source: str, args: argparse.Namespace) -> list[Measured]:
+    factory = token_source_factory(args.step_ms / 1e3) if source == "token-source" else None
+    with tempfile.TemporaryDirectory(prefix="fairserve-serving-path-") as state_dir:
+        settings = load_settings(
+            state_dir=state_dir, router={"port": free_port()}, redis={"port": free_port()},
+            tenants={"create_demo": False},
+            engine={"max_num_seqs": max(32, *args.streams)} if factory else {},
+            replicas={"max_ongoing_requests": max(32, *args.streams)} if factory else {})
+        cluster = LocalCluster(settings, factory, progress=lambda line: print(line, flush=True))
+        try:
+            info = cluster.start()
+            key = add_tenant_with_key(info.redis_url, Tenant(id="bench", max_queued=10_000))
+            pids = find_processes()
+            model = settings.engine.served_model_name
+            asyncio.run(measure(info.base_url, key, model, source, 1, 8, pids))  # warm-up
+            return [asyncio.run(measure(info.base_url, key, model, source, n,
+                                        args.output_tokens, pids)) for n in args.streams]
+        finally:
+            cluster.stop()
+
+
+def import_cost() -> str:
+    code = ("import sys, time; t = time.perf_counter(); import router.server; "
+            "print(f'{time.perf_counter() - t:.2f} s, torch loaded: {\"torch\" in sys.modules}')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    return done.stdout.strip() or done.stderr.strip()[-300:]
+
+
+def print_table(rows: list[Measured]) -> None:
+    names = [*PROCESSES, "client"]
+    print(f"{'source':<13} {'streams':>7} {'tokens':>7} {'tok/s':>8} | "
+          + " ".join(f"{n:>8}" for n in names)
+          + f" | {'path':>6} | {'router core tok/s':>17} | {'router RSS MB':>13}")
+    print(f"{'':<13} {'':>7} {'':>7} {'':>8} | {'CPU ms per streamed token':<44}")
+    for m in rows:
+        per = " ".join(f"{m.ms_per_token(n):>8.3f}" for n in names)
+        router_core = m.num_tokens / m.cpu_s["router"] if m.cpu_s["router"] else float("inf")
+        print(f"{m.source:<13} {m.num_streams:>7} {m.num_tokens:>7} "
+              f"{m.num_tokens / m.wall_s:>8.0f} | {per} | {m.path_ms_per_token:>6.3f} | "
+              f"{router_core:>17.0f} | {m.router_rss_mb:>13.0f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--source", choices=["both", "engine", "token-source"], default="both")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 32, 128])
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--step-ms", type=float, default=10.0,
+                        help="the token source's step: one token per running request each")
+    args = parser.parse_args()
+    sources = ["engine", "token-source"] if args.source == "both" else [args.source]
+    rows = [m for source in sources for m in run_cluster(source, args)]
+    print()
+    print(f"{cpu_name()}; {os.cpu_count()} cores; {PROMPT_TOKENS} prompt tokens -> "
+          f"{args.output_tokens} streamed tokens per request, all streams at once; "
+          f"token source step {args.step_ms:g} ms")
+    print_table(rows)
+    print(f"import router.server: {import_cost()}")
+
+
+if __name__ == "__main__":
+    main()
