@@ -74,7 +74,8 @@ def _up(args: argparse.Namespace) -> int:
         settings.state_dir.mkdir(parents=True, exist_ok=True)
         run_file = settings.state_dir / RUN_FILE
         run_file.write_text(json.dumps({"pid": os.getpid(), "base_url": info.base_url,
-                                        "redis_url": info.redis_url}))
+                                        "redis_url": info.redis_url,
+                                        "ray_address": info.ray_address}))
         _print_welcome(info.base_url, info.demo_key, settings.engine.served_model_name)
         while not stop.wait(1.0):
             pass

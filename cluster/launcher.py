@@ -47,6 +47,7 @@ class ClusterInfo:
     base_url: str  # ends in /v1
     redis_url: str
     demo_key: str | None  # the demo tenant's key, when this launcher created or kept it
+    ray_address: str = ""  # the GCS address of its Ray cluster (host:port), to join it exactly
 
 
 class LocalCluster:
@@ -93,7 +94,8 @@ class LocalCluster:
         if s.replicas.num_replicas > 0 or scaling is not None:
             _wait_ready(base, READY_TIMEOUT_S)  # at zero replicas ready means scale-from-zero
         self.progress(f"ready in {time.perf_counter() - started:.1f} s")
-        self.info = ClusterInfo(f"{base}/v1", redis_url, demo_key)
+        self.info = ClusterInfo(f"{base}/v1", redis_url, demo_key,
+                                ray.get_runtime_context().gcs_address)
         return self.info
 
     def stop(self) -> None:

@@ -1,9 +1,11 @@
 """Redeploy the running ``fairserve up`` application with changed settings, as an operator's
 ``serve deploy`` (or a Helm upgrade's in-place Serve update) does. Run as a script:
 
-    python -m tests.chaos.redeploy CONFIG.yaml REDIS_URL '{"replicas": {"num_replicas": 1}}'
+    python -m tests.chaos.redeploy CONFIG.yaml REDIS_URL RAY_ADDRESS '{"replicas": {...}}'
 
-It joins the cluster's Ray (``address="auto"``, the launcher's namespace), builds the
+It joins the cluster's Ray at RAY_ADDRESS (the GCS address ``fairserve up`` writes in its
+``run.json``; not ``"auto"``, which takes the newest Ray on the machine, another test's or a
+developer's cluster as well as this one) in the launcher's namespace, builds the
 application from the settings file with the overrides, prints ``ready``, and waits for a line
 on its standard input before it ``serve.run``s the new application over the running one: a test
 starts it first and says go when its streams are running, so the redeploy lands mid-stream and
@@ -21,7 +23,7 @@ import sys
 import yaml
 
 
-def main(config_path: str, redis_url: str, overrides_json: str) -> int:
+def main(config_path: str, redis_url: str, ray_address: str, overrides_json: str) -> int:
     import ray
     from ray import serve
 
@@ -33,7 +35,7 @@ def main(config_path: str, redis_url: str, overrides_json: str) -> int:
     with open(config_path) as f:
         base = yaml.safe_load(f) or {}
     settings = load_settings(**merge(base, json.loads(overrides_json)))
-    ray.init(address="auto", namespace="fairserve", log_to_driver=False)
+    ray.init(address=ray_address, namespace="fairserve", log_to_driver=False)
     app = build_app(settings, describe_model(settings.engine), redis_url)
     print("ready", flush=True)
     sys.stdin.readline()
@@ -45,4 +47,4 @@ def main(config_path: str, redis_url: str, overrides_json: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:4]))
+    sys.exit(main(*sys.argv[1:5]))

@@ -20,6 +20,7 @@ import json
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -80,11 +81,13 @@ async def watch_exits(pids: set[int], under: int, results: list[StreamResult],
     return exits
 
 
-async def prepared_redeploy(config: str, redis_url: str, report: PhaseReport
+async def prepared_redeploy(config: Path, redis_url: str, report: PhaseReport
                             ) -> asyncio.subprocess.Process:
     """``tests.chaos.redeploy`` joined to the cluster, waiting for its go."""
+    ray_address = json.loads((config.parent / "run.json").read_text())["ray_address"]
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.chaos.redeploy", config, redis_url, json.dumps(CHANGE),
+        sys.executable, "-m", "tests.chaos.redeploy", str(config), redis_url, ray_address,
+        json.dumps(CHANGE),
         cwd=REPO, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE)
     assert process.stdout is not None
@@ -98,7 +101,7 @@ async def prepared_redeploy(config: str, redis_url: str, report: PhaseReport
     return process
 
 
-async def redeploy_under_load(base: str, key: str, config: str, redis_url: str,
+async def redeploy_under_load(base: str, key: str, config: Path, redis_url: str,
                               report: PhaseReport, up_pid: int) -> dict[int, int]:
     """The streams, the redeploy once they run; the old replicas' exits (streams open then)."""
     before = set(pids_titled(REPLICA_TITLE, up_pid))
@@ -120,8 +123,7 @@ async def redeploy_under_load(base: str, key: str, config: str, redis_url: str,
             (out + err).decode(errors="replace")[-3000:])
         await asyncio.gather(*tasks)
         report.mark("streams ended")
-        exits = await asyncio.wait_for(asyncio.shield(watcher), EXIT_WAIT_S)
-    return exits
+        return await exited(watcher, report, f"the old replicas {sorted(before)}")
 
 
 async def sigterm_under_load(base: str, key: str, replica: int, report: PhaseReport,
@@ -136,13 +138,18 @@ async def sigterm_under_load(base: str, key: str, replica: int, report: PhaseRep
         report.mark(f"SIGTERM to {replica}")
         await asyncio.gather(*tasks)
         report.mark("streams ended")
-        try:
-            return await asyncio.wait_for(asyncio.shield(watcher), EXIT_WAIT_S)
-        except TimeoutError:
-            watcher.cancel()
-            raise AssertionError(report.explain(
-                f"replica {replica} did not exit within {EXIT_WAIT_S:.0f} s of SIGTERM "
-                "and its streams' end")) from None
+        return await exited(watcher, report, f"replica {replica} (SIGTERM)")
+
+
+async def exited(watcher: asyncio.Task[dict[int, int]], report: PhaseReport, what: str
+                 ) -> dict[int, int]:
+    """The watcher's exits once every process it watches has exited, else a full report."""
+    try:
+        return await asyncio.wait_for(asyncio.shield(watcher), EXIT_WAIT_S)
+    except TimeoutError:
+        watcher.cancel()
+        raise AssertionError(report.explain(
+            f"{what} did not exit within {EXIT_WAIT_S:.0f} s of the streams' end")) from None
 
 
 def replicas_settled(before: set[int], under: int, timeout_s: float = 60.0) -> set[int]:
@@ -176,7 +183,7 @@ def test_a_redeploy_a_scale_down_and_a_sigterm_under_16_streams_cut_no_stream(tm
         report.expected = asyncio.run(references(base, key, MAX_TOKENS))
         report.begin("redeploy and scale 2 -> 1")
         before = set(pids_titled(REPLICA_TITLE, pid))
-        exits = asyncio.run(redeploy_under_load(base, key, str(tmp_path / "fairserve.yaml"),
+        exits = asyncio.run(redeploy_under_load(base, key, tmp_path / "fairserve.yaml",
                                                 redis_url, report, pid))
         check(report.results, report.expected, report)
         assert any(exits.values()), report.explain(
