@@ -23,6 +23,7 @@ import ray
 from ray import serve
 
 from cluster.app import REPLICA_DEPLOYMENT, ROUTER_DEPLOYMENT, build_app
+from cluster.ingress import ingress_env
 from cluster.placement import RayResources, max_model_replicas, place
 from cluster.redis_server import EmbeddedRedis
 from cluster.settings import FairserveSettings
@@ -132,10 +133,24 @@ class LocalCluster:
             return
         self.progress("starting Ray ..." if s.ray.address is None else
                       f"connecting to Ray at {s.ray.address} ...")
-        # the replicas' torch threads are set by the engine, not by OMP defaults per worker
-        ray.init(address=s.ray.address, num_cpus=s.ray.num_cpus if s.ray.address is None else None,
-                 include_dashboard=False, log_to_driver=os.environ.get("FAIRSERVE_RAY_LOGS") == "1",
-                 namespace="fairserve")
+        # Ray's processes take the ingress from the environment they start in (a local Ray's
+        # raylet keeps the one it had at ray.init; this process's is put back after)
+        env = ingress_env(s) if s.ray.address is None else {}
+        saved = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
+        try:
+            # the replicas' torch threads are set by the engine, not by OMP defaults per worker
+            ray.init(address=s.ray.address,
+                     num_cpus=s.ray.num_cpus if s.ray.address is None else None,
+                     include_dashboard=False,
+                     log_to_driver=os.environ.get("FAIRSERVE_RAY_LOGS") == "1",
+                     namespace="fairserve")
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         self._started_ray = True
 
     async def _prepare_tenants(self, redis_url: str) -> str | None:

