@@ -213,6 +213,14 @@ class RouterService:
                                          idle_timeout_s=self.api.stream_idle_timeout_s):
             yield event.event_id, response_events.parse(event)
 
+    async def event_batches(self, tenant_id: str, request_id: str, after: str = START
+                            ) -> AsyncIterator[list[tuple[str, response_events.ChunkData |
+                                                          response_events.EndData]]]:
+        """As ``events``, each time all that has arrived (``StreamMux.read_batches``)."""
+        async for batch in self.mux.read_batches(tenant_id, request_id, after,
+                                                 idle_timeout_s=self.api.stream_idle_timeout_s):
+            yield [(event.event_id, response_events.parse(event)) for event in batch]
+
     async def shape_of(self, tenant_id: str, request_id: str) -> Shape:
         """What the responses of a request of this tenant look like; 404 for another's."""
         meta = cast(bytes | None, await self.client.hget(keys.request(tenant_id, request_id),

@@ -269,21 +269,25 @@ async def _sse(service: RouterService, tenant_id: str, shaper: Shaper,
     is_ended = False
     try:
         if after == START:  # a stream resumed part-way has had its openers
-            for opener in shaper.first_chunks():
-                yield _data(opener)
-        async for event_id, item in service.events(tenant_id, request_id, after):
-            if isinstance(item, ChunkData):
-                observer.tokens(item.num_tokens)
-                payload = shaper.delta(item)
-                if payload is not None:
-                    yield _data(payload, event_id)
+            openers = "".join(_data(opener) for opener in shaper.first_chunks())
+            if openers:
+                yield openers
+        # all the events that arrived together go out in one write
+        async for batch in service.event_batches(tenant_id, request_id, after):
+            text, end = _chunks_text(batch, shaper, observer)
+            if end is None:
+                if text:
+                    yield text
                 continue
+            event_id, item = end
             is_ended = True
             phases = observer.ended(item)
+            if text:  # what came before a failure is still the client's
+                yield text
             _raise_if_failed(item)
-            for payload in shaper.last_chunks(item, phases):
-                yield _data(payload, event_id)
-            yield f"id: {event_id}\ndata: [DONE]\n\n"
+            yield "".join([*(_data(payload, event_id)
+                             for payload in shaper.last_chunks(item, phases)),
+                           f"id: {event_id}\ndata: [DONE]\n\n"])
             return
     except RouterError as exc:
         is_ended = True
@@ -295,6 +299,20 @@ async def _sse(service: RouterService, tenant_id: str, shaper: Shaper,
         if not is_ended:  # disconnect (or cancellation of this handler)
             observer.cancelled()
             await asyncio.shield(service.detach(tenant_id, request_id))
+
+
+def _chunks_text(batch: list[tuple[str, ChunkData | EndData]], shaper: Shaper,
+                 observer: RequestObserver) -> tuple[str, tuple[str, EndData] | None]:
+    """The SSE text of a batch's token chunks, and its end event (id, event) if it has one."""
+    out: list[str] = []
+    for event_id, item in batch:
+        if not isinstance(item, ChunkData):
+            return "".join(out), (event_id, item)
+        observer.tokens(item.num_tokens)
+        payload = shaper.delta(item)
+        if payload is not None:
+            out.append(_data(payload, event_id))
+    return "".join(out), None
 
 
 def _data(payload: dict[str, Any], event_id: str | None = None) -> str:

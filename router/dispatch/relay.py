@@ -182,8 +182,9 @@ class Relay:
         watch = _Watch(time.monotonic())
         try:
             while True:
-                try:
-                    item = await asyncio.wait_for(wires.get(), self.settings.stall_check_s)
+                try:  # what is queued already is taken without a timer
+                    item = wires.get_nowait() if not wires.empty() else await asyncio.wait_for(
+                        wires.get(), self.settings.stall_check_s)
                 except TimeoutError:
                     problem = await self._stall(running, watch)
                     if problem is not None:

@@ -46,6 +46,13 @@ class _Waiter:
     last: str
     queue: asyncio.Queue[StreamEvent] = field(default_factory=asyncio.Queue)
 
+    def take(self) -> list[StreamEvent]:
+        """What is queued now, without waiting."""
+        taken = []
+        while not self.queue.empty():
+            taken.append(self.queue.get_nowait())
+        return taken
+
 
 class StreamMux:
     def __init__(self, client: aioredis.Redis) -> None:
@@ -75,6 +82,15 @@ class StreamMux:
                    idle_timeout_s: float | None = None) -> AsyncIterator[StreamEvent]:
         """Events after ``after`` up to and including the terminal one (as
         ``ResponseStreams.read``, but sharing one connection with every other reader)."""
+        async for batch in self.read_batches(tenant_id, request_id, after, idle_timeout_s):
+            for event in batch:
+                yield event
+
+    async def read_batches(self, tenant_id: str, request_id: str, after: str = "0-0",
+                           idle_timeout_s: float | None = None
+                           ) -> AsyncIterator[list[StreamEvent]]:
+        """As ``read``, each time all the events that have arrived (a reader that fell behind
+        takes what piled up at once: one write to its client, not one per event)."""
         stream_key = keys.stream(tenant_id, request_id)
         request_key = keys.request(tenant_id, request_id)
         if await self._is_gone(request_key, stream_key):
@@ -88,7 +104,8 @@ class StreamMux:
             unreachable_since: float | None = None
             while True:
                 try:
-                    item = await asyncio.wait_for(waiter.queue.get(), READ_BLOCK_MS / 1000)
+                    batch = waiter.take() or [
+                        await asyncio.wait_for(waiter.queue.get(), READ_BLOCK_MS / 1000)]
                 except TimeoutError:
                     if idle_timeout_s is not None and time.monotonic() - idle_since > idle_timeout_s:
                         raise TimeoutError(f"no event on {request_id!r} for {idle_timeout_s} s"
@@ -107,8 +124,10 @@ class StreamMux:
                                             param="request_id") from None
                     continue
                 idle_since = time.monotonic()
-                yield item
-                if item.is_terminal:
+                batch = batch + waiter.take()
+                ends = next((i for i, event in enumerate(batch) if event.is_terminal), None)
+                yield batch if ends is None else batch[:ends + 1]
+                if ends is not None:
                     return
         finally:
             waiters = self._waiters.get(stream_key, [])

@@ -128,3 +128,32 @@ def test_concurrent_appends_share_a_script_call_and_a_stale_one_fails_alone(redi
                 assert [e[1][b"data"].decode() for e in events] == [g.request_id]
 
     run(scenario())
+
+
+def test_a_reader_behind_takes_what_piled_up_in_one_batch_up_to_the_end(redis_url) -> None:
+    """Events that arrived while the reader was busy come as one batch (one write to its
+    client); the batch stops at the terminal event, and every event comes once, in order."""
+    async def scenario() -> None:
+        async with harness(redis_url) as h:
+            (grant,) = await _grants(h, 1)
+            client = connect(redis_url, max_connections=POOL)
+            mux = StreamMux(client)
+            mux.start()
+            try:
+                batches = mux.read_batches("acme", grant.request_id)
+                await h.streams.append(grant.lease, [Event("chunk", "first")])
+                first = await asyncio.wait_for(anext(batches), 10)
+                assert [e.data for e in first] == ["first"]
+                for i in range(5):  # the reader is not reading meanwhile
+                    await h.streams.append(grant.lease, [Event("chunk", f"c{i}")])
+                await h.queues.complete_many([(grant.lease, 10, 6, "stop")])
+                await asyncio.sleep(0.3)  # the mux has delivered them all by now
+                rest = [batch async for batch in batches]
+                assert [[e.data for e in batch] for batch in rest] == [
+                    ["c0", "c1", "c2", "c3", "c4", "{}"]]
+                assert rest[0][-1].is_terminal
+            finally:
+                await mux.stop()
+                await client.aclose()
+
+    run(scenario())
