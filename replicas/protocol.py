@@ -7,9 +7,15 @@ other, light enough for a router process (no torch, no engine).
   KV blocks under these hashes, and the router's prefix-affinity routing hashes a prompt the
   same way to find the replica that holds it (``router/dispatch/prefix_affinity.py``).
 - The keys of a replica's routing stats that carry its cached block hashes.
+- The replica call and the chunks it streams back (``ReplicaCall``, ``ReplicaChunk``): typed
+  structs, built once by their sender and read by attribute by their receiver; Ray pickles
+  them (slotted dataclasses: a compact pickle, no schema to keep in step by hand).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 # ---- sampling limits (names and ranges are vLLM's and OpenAI's) ----
 MAX_STOP_STRINGS = 16
@@ -35,3 +41,83 @@ def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> in
 # the keys of a replica's routing stats (replicas/server.py, ModelReplica.record_routing_stats)
 PUBLISHED_BLOCKS = "cached_block_hashes"
 PUBLISHED_VERSION = "cached_version"
+
+
+# ---- the replica call and its chunks (router -> replica -> router, pickled by Ray) ----
+@dataclass(frozen=True, slots=True)
+class CallResume:
+    """Where a choice of a migrated request stands (``replicas.engine.interface.ChoiceResume``):
+    the output tokens its client has had and how many characters of their text went out."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    num_text_chars_sent: int
+    is_finished: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CallScheduling:
+    """Whose tokens these are, for the engine's fair scheduler: the tenant, its priority class
+    and its weight (``replicas.engine.interface.SchedulingHints``)."""
+
+    key: str
+    priority: int = 0
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaCall:
+    """One request sent to a model replica. ``sampling`` is the router's sampling JSON as it
+    was admitted (``router.api.sampling.sampling_wire``; the replica checks it again as
+    ``SamplingParams``); ``trace`` the W3C trace context of the dispatch span."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: dict[str, Any]
+    scheduling: CallScheduling | None = None
+    resume: tuple[CallResume, ...] = ()
+    trace: dict[str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkUsage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkTimings:
+    """Wall-clock instants (``time.time()`` s) of a choice in the engine."""
+
+    arrived_s: float
+    first_scheduled_s: float | None
+    first_token_s: float | None
+    finished_s: float
+    num_prefill_chunks: int = 0
+    num_preemptions: int = 0
+
+
+# a sampled token's logprob: (token id, logprob, ((alternative id, logprob), ...))
+TokenLogprobWire = tuple[int, float, tuple[tuple[int, float], ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaChunk:
+    """What one engine step produced for one choice of a request, as the replica sends it.
+    The first chunk of every call has no tokens and names the replica (who has the request);
+    the final one of a choice has ``finish_reason``, ``usage``, ``timings`` and the replica."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None
+    index: int = 0
+    logprobs: tuple[TokenLogprobWire, ...] | None = None
+    usage: ChunkUsage | None = None
+    timings: ChunkTimings | None = None
+    replica_id: str | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        """No token, no text, no end: the replica saying it has the call."""
+        return not self.token_ids and not self.text and self.finish_reason is None

@@ -1,8 +1,8 @@
 """The model replica: a Ray Serve deployment hosting one engine.
 
-Dispatchers call ``generate`` through a streaming deployment handle with the prompt's token ids
-(counted and reserved by the router) and sampling parameters; it yields wire chunks (plain
-dicts: the router does not import the engine). The engine is injected by a factory so tests can
+Dispatchers call ``generate`` through a streaming deployment handle with a ``ReplicaCall`` (the
+prompt's token ids, counted and reserved by the router, and sampling parameters); it yields
+``ReplicaChunk`` structs (``replicas/protocol.py``: the router does not import the engine). The engine is injected by a factory so tests can
 host a tiny model. ``check_health`` fails when the engine loop is dead or stuck, so Ray Serve
 replaces the replica. Every ``report_interval_s`` the replica writes its load report to Redis.
 On shutdown it withdraws its report first (no more grants for it) and lets running requests
@@ -31,7 +31,15 @@ from replicas.engine.interface import (
 )
 from replicas.engine.sampling_params import GuideKind, SamplingParams, StructuredOutput
 from replicas.load_report import LoadReporter
-from replicas.protocol import PUBLISHED_BLOCKS, PUBLISHED_VERSION
+from replicas.protocol import (
+    PUBLISHED_BLOCKS,
+    PUBLISHED_VERSION,
+    CallScheduling,
+    ChunkTimings,
+    ChunkUsage,
+    ReplicaCall,
+    ReplicaChunk,
+)
 from replicas.tracing import record_engine_spans
 from router.state.capacity import ReplicaLoad
 from router.telemetry.tracing import configure_tracing
@@ -77,19 +85,18 @@ class ModelReplica:
             self._report_task = asyncio.create_task(self._reporter.run())
         logger.info("replica %s ready", self.replica_id)
 
-    async def generate(self, call: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+    async def generate(self, call: ReplicaCall) -> AsyncGenerator[ReplicaChunk, None]:
         request = GenerateRequest(
-            request_id=call["request_id"],
-            sampling=SamplingParams(**_sampling_args(call["sampling"])),
-            prompt_token_ids=tuple(call["prompt_token_ids"]),
+            request_id=call.request_id,
+            sampling=SamplingParams(**_sampling_args(call.sampling)),
+            prompt_token_ids=call.prompt_token_ids,
             arrival_time_s=time.time(),
-            resume=tuple(ChoiceResume(int(r["index"]), tuple(r["token_ids"]),
-                                      int(r["num_text_chars_sent"]), bool(r["is_finished"]))
-                         for r in call.get("resume") or ()),
-            scheduling=_scheduling(call.get("scheduling")),
+            resume=tuple(ChoiceResume(r.index, r.token_ids, r.num_text_chars_sent,
+                                      r.is_finished) for r in call.resume),
+            scheduling=_scheduling(call.scheduling),
         )
         # who has the request, at once: the dispatcher watches this replica's heartbeat
-        yield {"token_ids": [], "text": "", "finish_reason": None, "replica_id": self.replica_id}
+        yield ReplicaChunk((), "", replica_id=self.replica_id)
         self._num_ongoing += 1
         num_prompt = len(request.prompt_token_ids or ())
         self._remaining[request.request_id] = (num_prompt + request.sampling.n
@@ -104,12 +111,9 @@ class ModelReplica:
                     is_prefilled = True
                     self._token_marks.append((now, done))
                     self._remaining[request.request_id] -= done
-                wire = to_wire(chunk)
-                if chunk.finish_reason is not None:
-                    wire["replica_id"] = self.replica_id
-                    if chunk.index == 0:  # the trace follows the first choice
-                        self._trace(call.get("trace"), chunk)
-                yield wire
+                if chunk.finish_reason is not None and chunk.index == 0:
+                    self._trace(call.trace, chunk)  # the trace follows the first choice
+                yield to_wire(chunk, self.replica_id)
         finally:
             self._num_ongoing -= 1
             self._remaining.pop(request.request_id, None)
@@ -188,30 +192,28 @@ def _sampling_args(raw: dict[str, Any]) -> dict[str, Any]:
     return args
 
 
-def _scheduling(raw: dict[str, Any] | None) -> SchedulingHints | None:
+def _scheduling(raw: CallScheduling | None) -> SchedulingHints | None:
     """The router's scheduling hints (tenant, priority class, weight); None if it sent none."""
     if raw is None:
         return None
-    return SchedulingHints(str(raw["key"]), int(raw.get("priority", 0)),
-                           float(raw.get("weight", 1.0)))
+    return SchedulingHints(raw.key, raw.priority, raw.weight)
 
 
-def to_wire(chunk: Chunk) -> dict[str, Any]:
-    wire: dict[str, Any] = {"token_ids": list(chunk.token_ids), "text": chunk.text,
-                            "finish_reason": chunk.finish_reason.value
-                            if chunk.finish_reason else None}
-    if chunk.index:
-        wire["index"] = chunk.index
-    if chunk.logprobs is not None:
-        wire["logprobs"] = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]]
-                            for lp in chunk.logprobs]
-    if chunk.usage is not None:
-        wire["usage"] = {"prompt_tokens": chunk.usage.num_prompt_tokens,
-                         "completion_tokens": chunk.usage.num_output_tokens,
-                         "cached_tokens": chunk.usage.num_cached_tokens}
-    if chunk.timings is not None:
-        wire["timings"] = asdict(chunk.timings)
-    return wire
+def to_wire(chunk: Chunk, replica_id: str) -> ReplicaChunk:
+    """The engine's chunk as the router reads it; a final one names the replica."""
+    if chunk.finish_reason is None and chunk.logprobs is None:  # the common case, kept short
+        return ReplicaChunk(chunk.token_ids, chunk.text, index=chunk.index)
+    usage = chunk.usage
+    timings = chunk.timings
+    return ReplicaChunk(
+        chunk.token_ids, chunk.text,
+        chunk.finish_reason.value if chunk.finish_reason else None, chunk.index,
+        None if chunk.logprobs is None else tuple((lp.token_id, lp.logprob, lp.top)
+                                                  for lp in chunk.logprobs),
+        None if usage is None else ChunkUsage(usage.num_prompt_tokens, usage.num_output_tokens,
+                                              usage.num_cached_tokens),
+        None if timings is None else ChunkTimings(**asdict(timings)),
+        replica_id if chunk.finish_reason is not None else None)
 
 
 def _replica_id() -> str:

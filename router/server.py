@@ -25,6 +25,7 @@ from ray.serve.exceptions import (
 )
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from replicas.protocol import ReplicaCall, ReplicaChunk
 from router.api.prompt_tokenizer import ModelInfo
 from router.api.routes import build_api
 from router.config import ApiSettings, QueueSettings
@@ -50,7 +51,7 @@ class _ReplicaStream:
     def cancel(self) -> None:
         self.response.cancel()
 
-    async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+    async def __aiter__(self) -> AsyncIterator[ReplicaChunk]:
         try:
             async for wire in self.response:
                 yield wire
@@ -69,7 +70,7 @@ class ServeReplicaPool:
     def __init__(self, handle: DeploymentHandle) -> None:
         self.handle = handle.options(stream=True)
 
-    def generate(self, call: dict[str, Any]) -> _ReplicaStream:
+    def generate(self, call: ReplicaCall) -> _ReplicaStream:
         response = self.handle.generate.remote(call)
         assert isinstance(response, DeploymentResponseGenerator), "the handle streams"
         return _ReplicaStream(response)

@@ -10,8 +10,8 @@ and the position it brings the choice to (``router/dispatch/response_events.py``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+from replicas.protocol import CallResume
 from router.dispatch.response_events import CHUNK, ChunkData, parse
 from router.messages import StreamEvent
 
@@ -53,10 +53,10 @@ class Progress:
         return (len(self.choices) == self.num_choices
                 and all(c.is_finished for c in self.choices.values()))
 
-    def resume_wire(self) -> list[dict[str, Any]]:
-        """The ``resume`` of a replica call: each choice that has started (plain JSON)."""
-        return [{"index": i, "token_ids": c.token_ids, "num_text_chars_sent": c.num_text_chars,
-                 "is_finished": c.is_finished} for i, c in sorted(self.choices.items())]
+    def resume(self) -> tuple[CallResume, ...]:
+        """The ``resume`` of a replica call: each choice that has started."""
+        return tuple(CallResume(i, tuple(c.token_ids), c.num_text_chars, c.is_finished)
+                     for i, c in sorted(self.choices.items()))
 
     @classmethod
     def from_events(cls, events: list[StreamEvent], num_choices: int) -> Progress:

@@ -30,13 +30,19 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import redis.asyncio as aioredis
 from opentelemetry.trace import Span, Status, StatusCode
 from redis.exceptions import RedisError
 
+from replicas.protocol import (
+    CallScheduling,
+    ReplicaCall,
+    ReplicaChunk,
+    TokenLogprobWire,
+)
 from router.api.prompt_tokenizer import PromptTokenizer
 from router.dispatch import response_events
 from router.dispatch.progress import Progress
@@ -58,7 +64,7 @@ MIGRATION_BACKOFF_S = (0.2, 0.5, 1.0, 2.0)
 
 
 class ReplicaStream(Protocol):
-    def __aiter__(self) -> AsyncIterator[dict[str, Any]]: ...
+    def __aiter__(self) -> AsyncIterator[ReplicaChunk]: ...
 
     def cancel(self) -> None: ...
 
@@ -66,8 +72,8 @@ class ReplicaStream(Protocol):
 class ReplicaPool(Protocol):
     """How a dispatcher reaches the replicas (a Ray Serve handle in the cluster)."""
 
-    def generate(self, call: dict[str, Any]) -> ReplicaStream:
-        """Start one request; iterating yields wire chunks. Raises ``ReplicaUnavailableError``
+    def generate(self, call: ReplicaCall) -> ReplicaStream:
+        """Start one request; iterating yields its chunks. Raises ``ReplicaUnavailableError``
         or ``ReplicaFailedError`` while iterating."""
         ...
 
@@ -90,7 +96,7 @@ class Running:
     stream: ReplicaStream | None = None
     is_cancel_requested: bool = False
     progress: Progress = field(default_factory=Progress)
-    finals: dict[int, dict[str, Any]] = field(default_factory=dict)  # choice -> its last wire
+    finals: dict[int, ReplicaChunk] = field(default_factory=dict)  # choice -> its last chunk
     migrations: int = 0
     replica_id: str | None = None
 
@@ -133,16 +139,13 @@ class Relay:
     async def _attempt(self, running: Running, body: dict[str, Any]) -> str | None:
         """One call to a replica; None when the request ended, else why it must move."""
         grant = running.grant
-        call: dict[str, Any] = {
-            "request_id": f"{grant.request_id}.{grant.lease.attempt}.{running.migrations}",
-            "prompt_token_ids": body["prompt_token_ids"], "sampling": body["sampling"],
+        call = ReplicaCall(
+            request_id=f"{grant.request_id}.{grant.lease.attempt}.{running.migrations}",
+            prompt_token_ids=tuple(body["prompt_token_ids"]), sampling=body["sampling"],
             # the engine's fair scheduler (replicas/engine/scheduler.py): whose tokens these are
-            "scheduling": {"key": grant.tenant_id, "priority": grant.priority,
-                           "weight": grant.weight}}
-        if running.progress.choices:
-            call["resume"] = running.progress.resume_wire()
-        if running.span is not None:
-            call["trace"] = carrier(running.span)
+            scheduling=CallScheduling(grant.tenant_id, grant.priority, grant.weight),
+            resume=running.progress.resume(),
+            trace=carrier(running.span) if running.span is not None else None)
         want_logprobs = bool(body["sampling"].get("logprobs"))
         running.replica_id = None
         try:
@@ -166,9 +169,9 @@ class Relay:
         return "stream ended early"
 
     async def _watched(self, running: Running, stream: ReplicaStream
-                       ) -> AsyncIterator[dict[str, Any]]:
-        """The stream's wires, or ``_Stalled`` when its replica stopped making progress."""
-        wires: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
+                       ) -> AsyncIterator[ReplicaChunk]:
+        """The stream's chunks, or ``_Stalled`` when its replica stopped making progress."""
+        wires: asyncio.Queue[ReplicaChunk | BaseException | None] = asyncio.Queue()
 
         async def pump() -> None:
             try:
@@ -196,8 +199,8 @@ class Relay:
                 if isinstance(item, BaseException):
                     raise item
                 watch.seen(time.monotonic())
-                if item.get("replica_id"):
-                    running.replica_id = str(item["replica_id"])
+                if item.replica_id:
+                    running.replica_id = item.replica_id
                 yield item
         finally:
             pumping.cancel()
@@ -264,19 +267,18 @@ class Relay:
             "fairserve.replica.id": running.replica_id or ""})
         span.end()
 
-    async def _relay(self, running: Running, wire: dict[str, Any], want_logprobs: bool) -> bool:
+    async def _relay(self, running: Running, wire: ReplicaChunk, want_logprobs: bool) -> bool:
         """Append one chunk; True when it was the last open choice's final one and the request
         is completed."""
-        ids: list[int] = wire["token_ids"]
-        finish = wire.get("finish_reason")
-        if not ids and not wire["text"] and finish is None:
+        if wire.is_empty:
             return False  # the replica saying it has the call
-        index = int(wire.get("index", 0))
-        logprobs = _logprobs(self.tokenizer, wire.get("logprobs")) if want_logprobs else None
-        chunk = response_events.ChunkData(wire["text"], len(ids), logprobs, index, finish)
+        ids = list(wire.token_ids)
+        finish, index = wire.finish_reason, wire.index
+        logprobs = _logprobs(self.tokenizer, wire.logprobs) if want_logprobs else None
+        chunk = response_events.ChunkData(wire.text, len(ids), logprobs, index, finish)
         reached = running.progress.add(chunk, ids)
         position = reached if ids else 0  # a chunk without tokens is not fenced
-        data = response_events.chunk_data(wire["text"], ids, position, logprobs, index, finish)
+        data = response_events.chunk_data(wire.text, ids, position, logprobs, index, finish)
         event = Event(response_events.CHUNK, data, index, position)
         status = await _riding_out_redis(
             lambda: self.appends.append(running.grant.lease, [event]))
@@ -294,11 +296,11 @@ class Relay:
         """Every choice has ended: the end event with the usage of all, and the settlement."""
         progress = running.progress
         finals = [running.finals[i] for i in sorted(running.finals)]
-        usages = [w["usage"] for w in finals if w.get("usage")]
-        prompt = usages[0]["prompt_tokens"] if usages else running.grant.prompt_tokens
-        cached = usages[0]["cached_tokens"] if usages else 0
+        usages = [w.usage for w in finals if w.usage is not None]
+        prompt = usages[0].prompt_tokens if usages else running.grant.prompt_tokens
+        cached = usages[0].cached_tokens if usages else 0
         completion = progress.num_tokens  # each token once, whichever replica made it
-        timings = {**_merged_timings([w.get("timings") or {} for w in finals]),
+        timings = {**_merged_timings([asdict(w.timings) if w.timings else {} for w in finals]),
                    "admitted_s": running.admitted_ns / 1e9, "granted_s": running.granted_ns / 1e9}
         reasons = [progress.choice(i).finish_reason or "stop" for i in range(progress.num_choices)]
         final = response_events.end_data(reasons[0], prompt, completion, cached, timings,
@@ -390,8 +392,9 @@ def _merged_timings(timings: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _logprobs(tokenizer: PromptTokenizer, raw: list[Any] | None) -> list[Any] | None:
-    """Wire logprobs ``[[id, logprob, [[id, logprob], ...]], ...]`` with token texts."""
+def _logprobs(tokenizer: PromptTokenizer, raw: tuple[TokenLogprobWire, ...] | None
+              ) -> list[Any] | None:
+    """A chunk's logprobs ``((id, logprob, ((id, logprob), ...)), ...)`` with token texts."""
     if raw is None:
         return None
     return [[tokenizer.piece(tid), lp, [[tokenizer.piece(t), p] for t, p in top]]
