@@ -8,12 +8,14 @@ other, light enough for a router process (no torch, no engine).
   same way to find the replica that holds it (``router/dispatch/prefix_affinity.py``).
 - The keys of a replica's routing stats that carry its cached block hashes.
 - The replica call and the chunks it streams back (``ReplicaCall``, ``ReplicaChunk``): typed
-  structs, built once by their sender and read by attribute by their receiver; Ray pickles
-  them (slotted dataclasses: a compact pickle, no schema to keep in step by hand).
+  structs, built once by their sender and read by attribute by their receiver. A call goes
+  as it is (Ray pickles it, once per request); a chunk crosses as the plain sequence of its
+  one codec (``ReplicaChunk.encode``/``decode``), which Ray packs without pickling.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,3 +123,32 @@ class ReplicaChunk:
     def is_empty(self) -> bool:
         """No token, no text, no end: the replica saying it has the call."""
         return not self.token_ids and not self.text and self.finish_reason is None
+
+    # NOTE: the codec. Ray packs plain lists, strings and numbers with msgpack and pickles any
+    # other object, which costs the replica and the router more per chunk than the chunk's
+    # own work (measured: a slotted dataclass per chunk put 0.07 ms of replica CPU on every
+    # streamed token). So a chunk crosses as a plain sequence: (token ids, text, index) for a
+    # token chunk, all eight fields for the others, in this order, and nowhere else.
+    def encode(self) -> tuple[Any, ...]:
+        if self.finish_reason is None and self.logprobs is None and self.replica_id is None:
+            return self.token_ids, self.text, self.index
+        usage, timings = self.usage, self.timings
+        return (self.token_ids, self.text, self.index, self.finish_reason, self.logprobs,
+                None if usage is None else (usage.prompt_tokens, usage.completion_tokens,
+                                            usage.cached_tokens),
+                None if timings is None else (
+                    timings.arrived_s, timings.first_scheduled_s, timings.first_token_s,
+                    timings.finished_s, timings.num_prefill_chunks, timings.num_preemptions),
+                self.replica_id)
+
+    @classmethod
+    def decode(cls, wire: Sequence[Any]) -> ReplicaChunk:
+        if len(wire) == 3:
+            return cls(tuple(wire[0]), wire[1], index=wire[2])
+        ids, text, index, finish, logprobs, usage, timings, replica_id = wire
+        return cls(tuple(ids), text, finish, index,
+                   None if logprobs is None else tuple(
+                       (int(t), float(lp), tuple((int(a), float(b)) for a, b in top))
+                       for t, lp, top in logprobs),
+                   None if usage is None else ChunkUsage(*usage),
+                   None if timings is None else ChunkTimings(*timings), replica_id)

@@ -85,7 +85,8 @@ class ModelReplica:
             self._report_task = asyncio.create_task(self._reporter.run())
         logger.info("replica %s ready", self.replica_id)
 
-    async def generate(self, call: ReplicaCall) -> AsyncGenerator[ReplicaChunk, None]:
+    async def generate(self, call: ReplicaCall) -> AsyncGenerator[tuple[Any, ...], None]:
+        """The call's chunks, each ``ReplicaChunk.encode``d (the router decodes them)."""
         request = GenerateRequest(
             request_id=call.request_id,
             sampling=SamplingParams(**_sampling_args(call.sampling)),
@@ -96,7 +97,7 @@ class ModelReplica:
             scheduling=_scheduling(call.scheduling),
         )
         # who has the request, at once: the dispatcher watches this replica's heartbeat
-        yield ReplicaChunk((), "", replica_id=self.replica_id)
+        yield ReplicaChunk((), "", replica_id=self.replica_id).encode()
         self._num_ongoing += 1
         num_prompt = len(request.prompt_token_ids or ())
         self._remaining[request.request_id] = (num_prompt + request.sampling.n
@@ -113,7 +114,7 @@ class ModelReplica:
                     self._remaining[request.request_id] -= done
                 if chunk.finish_reason is not None and chunk.index == 0:
                     self._trace(call.trace, chunk)  # the trace follows the first choice
-                yield to_wire(chunk, self.replica_id)
+                yield to_wire(chunk, self.replica_id).encode()
         finally:
             self._num_ongoing -= 1
             self._remaining.pop(request.request_id, None)

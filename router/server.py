@@ -54,7 +54,7 @@ class _ReplicaStream:
     async def __aiter__(self) -> AsyncIterator[ReplicaChunk]:
         try:
             async for wire in self.response:
-                yield wire
+                yield ReplicaChunk.decode(wire)
         except RequestCancelledError:
             return
         except _UNAVAILABLE as exc:
