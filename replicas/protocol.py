@@ -90,7 +90,12 @@ class ChunkUsage:
 
 @dataclass(frozen=True, slots=True)
 class ChunkTimings:
-    """Wall-clock instants (``time.time()`` s) of a choice in the engine."""
+    """Wall-clock instants (``time.time()`` seconds) of a request's life in the engine (the
+    engine's ``Timings``: one type on both sides).
+
+    engine queue = first_scheduled - arrived; prefill = first_token - first_scheduled;
+    decode = finished - first_token.
+    """
 
     arrived_s: float
     first_scheduled_s: float | None

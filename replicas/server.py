@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from replicas.engine.config import EngineConfig
@@ -35,7 +35,6 @@ from replicas.protocol import (
     PUBLISHED_BLOCKS,
     PUBLISHED_VERSION,
     CallScheduling,
-    ChunkTimings,
     ChunkUsage,
     ReplicaCall,
     ReplicaChunk,
@@ -205,7 +204,6 @@ def to_wire(chunk: Chunk, replica_id: str) -> ReplicaChunk:
     if chunk.finish_reason is None and chunk.logprobs is None:  # the common case, kept short
         return ReplicaChunk(chunk.token_ids, chunk.text, index=chunk.index)
     usage = chunk.usage
-    timings = chunk.timings
     return ReplicaChunk(
         chunk.token_ids, chunk.text,
         chunk.finish_reason.value if chunk.finish_reason else None, chunk.index,
@@ -213,7 +211,7 @@ def to_wire(chunk: Chunk, replica_id: str) -> ReplicaChunk:
                                                   for lp in chunk.logprobs),
         None if usage is None else ChunkUsage(usage.num_prompt_tokens, usage.num_output_tokens,
                                               usage.num_cached_tokens),
-        None if timings is None else ChunkTimings(**asdict(timings)),
+        chunk.timings,  # the engine's Timings are the protocol's ChunkTimings
         replica_id if chunk.finish_reason is not None else None)
 
 

@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from replicas.engine.sampling_params import SamplingParams
+from replicas.protocol import ChunkTimings as Timings  # the router reads them as they are
+
+__all__ = ["CachedPrefix", "ChoiceResume", "Chunk", "Engine", "FinishReason", "GenerateRequest",
+           "LoadSnapshot", "SchedulingHints", "TokenLogprob", "Timings", "Usage"]
 
 
 class FinishReason(enum.StrEnum):
@@ -89,22 +93,6 @@ class Usage:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
     num_output_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class Timings:
-    """Wall-clock instants (``time.time()`` seconds) of a request's life in the engine.
-
-    engine queue = first_scheduled - arrived; prefill = first_token - first_scheduled;
-    decode = finished - first_token.
-    """
-
-    arrived_s: float
-    first_scheduled_s: float | None
-    first_token_s: float | None
-    finished_s: float
-    num_prefill_chunks: int = 0
-    num_preemptions: int = 0
 
 
 @dataclass(frozen=True, slots=True)

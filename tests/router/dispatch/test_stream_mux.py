@@ -4,7 +4,9 @@ once (no block timeout), several readers of one stream at their own positions.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 from router.dispatch.stream_mux import READ_BLOCK_MS, StreamMux
 from router.dispatch.streams import AppendBatcher, Event
@@ -17,6 +19,19 @@ from tests.router.factories import add_tenants, harness, make_request, run
 
 NUM_WAITERS = 300
 POOL = 8
+
+
+@contextlib.asynccontextmanager
+async def running_mux(redis_url: str) -> AsyncIterator[StreamMux]:
+    """A started multiplexer on its own small pool, stopped after."""
+    client = connect(redis_url, max_connections=POOL)
+    mux = StreamMux(client)
+    mux.start()
+    try:
+        yield mux
+    finally:
+        await mux.stop()
+        await client.aclose()
 
 
 async def _grants(h, n: int) -> list[Grant]:
@@ -32,10 +47,7 @@ def test_hundreds_of_readers_share_one_blocking_connection(redis_url) -> None:
     async def scenario() -> None:
         async with harness(redis_url) as h:
             grants = await _grants(h, NUM_WAITERS)
-            client = connect(redis_url, max_connections=POOL)
-            mux = StreamMux(client)
-            mux.start()
-            try:
+            async with running_mux(redis_url) as mux:
                 async def reader(rid: str) -> list[str]:
                     return [e.data async for e in mux.read("acme", rid)]
 
@@ -46,9 +58,6 @@ def test_hundreds_of_readers_share_one_blocking_connection(redis_url) -> None:
                 await h.queues.complete_many([(g.lease, 10, 1, "stop") for g in grants])
                 results = await asyncio.wait_for(asyncio.gather(*readers), 30)
                 assert results == [[f"hello {g.request_id}", "{}"] for g in grants]
-            finally:
-                await mux.stop()
-                await client.aclose()
 
     run(scenario())
 
@@ -57,10 +66,7 @@ def test_a_new_reader_does_not_wait_for_the_blocked_read(redis_url) -> None:
     async def scenario() -> None:
         async with harness(redis_url) as h:
             first, second = await _grants(h, 2)
-            client = connect(redis_url, max_connections=POOL)
-            mux = StreamMux(client)
-            mux.start()
-            try:
+            async with running_mux(redis_url) as mux:
                 idle_reader = mux.read("acme", first.request_id)
                 idle = asyncio.create_task(anext(idle_reader))
                 await asyncio.sleep(0.3)  # the mux is now blocked on the first stream only
@@ -73,9 +79,6 @@ def test_a_new_reader_does_not_wait_for_the_blocked_read(redis_url) -> None:
                 assert waited_ms < READ_BLOCK_MS / 2, waited_ms
                 idle.cancel()
                 await reader.aclose()
-            finally:
-                await mux.stop()
-                await client.aclose()
 
     run(scenario())
 
@@ -84,10 +87,7 @@ def test_two_readers_of_one_stream_each_get_every_event_once(redis_url) -> None:
     async def scenario() -> None:
         async with harness(redis_url) as h:
             (grant,) = await _grants(h, 1)
-            client = connect(redis_url, max_connections=POOL)
-            mux = StreamMux(client)
-            mux.start()
-            try:
+            async with running_mux(redis_url) as mux:
                 await h.streams.append(grant.lease, [Event("chunk", "a"), Event("chunk", "b")])
                 early = mux.read("acme", grant.request_id)
                 seen_early = [(await anext(early)).data, (await anext(early)).data]
@@ -97,9 +97,6 @@ def test_two_readers_of_one_stream_each_get_every_event_once(redis_url) -> None:
                 seen_early += [e.data async for e in early]
                 assert seen_early == ["a", "b", "c", "{}"]
                 assert await asyncio.wait_for(late, 10) == ["a", "b", "c", "{}"]
-            finally:
-                await mux.stop()
-                await client.aclose()
 
     run(scenario())
 
@@ -136,10 +133,7 @@ def test_a_reader_behind_takes_what_piled_up_in_one_batch_up_to_the_end(redis_ur
     async def scenario() -> None:
         async with harness(redis_url) as h:
             (grant,) = await _grants(h, 1)
-            client = connect(redis_url, max_connections=POOL)
-            mux = StreamMux(client)
-            mux.start()
-            try:
+            async with running_mux(redis_url) as mux:
                 batches = mux.read_batches("acme", grant.request_id)
                 await h.streams.append(grant.lease, [Event("chunk", "first")])
                 first = await asyncio.wait_for(anext(batches), 10)
@@ -152,8 +146,5 @@ def test_a_reader_behind_takes_what_piled_up_in_one_batch_up_to_the_end(redis_ur
                 assert [[e.data for e in batch] for batch in rest] == [
                     ["c0", "c1", "c2", "c3", "c4", "{}"]]
                 assert rest[0][-1].is_terminal
-            finally:
-                await mux.stop()
-                await client.aclose()
 
     run(scenario())
