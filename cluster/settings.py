@@ -114,8 +114,8 @@ class RouterSettings(_Branch):
         "code on the replica's own event loop) with its HAProxy ingress on `port` in front of "
         "each router's own HTTP port (RAY_SERVE_ENABLE_HA_PROXY): no Python hop between the "
         "client and the router (make bench-serving-path measures both). Set on the Ray "
-        "processes' environment, so it applies to a Ray that `fairserve up` starts; a Ray "
-        "cluster it joins needs those variables itself")
+        "processes' environment: `fairserve up` sets it in the Ray it starts, the Helm chart on "
+        "every Ray pod; a Ray cluster `fairserve up` joins needs those variables itself")
     graceful_shutdown_timeout_s: float = Field(
         90.0, ge=0, description="how long a stopping router keeps relaying its clients' "
         "streams before it exits (a redeploy replaces the routers and the model replicas at "

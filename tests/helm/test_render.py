@@ -184,6 +184,22 @@ def test_external_redis_renders_no_redis_and_passes_its_secret() -> None:
                                                              "path": "password"}]
 
 
+def test_the_haproxy_ingress_sets_ray_serves_variables_on_every_ray_pod() -> None:
+    """``fairserve.router.ingress: haproxy`` is what the launcher sets in a local Ray's
+    environment (cluster/ingress.py); on Kubernetes every Ray container carries it."""
+    def ray_envs(docs: list[dict]) -> list[dict[str, str]]:
+        spec = rayservice(docs)["spec"]["rayClusterConfig"]
+        pods = [spec["headGroupSpec"]] + spec["workerGroupSpecs"]
+        return [{e["name"]: e.get("value") for e in pod["template"]["spec"]["containers"][0]["env"]}
+                for pod in pods]
+
+    for env in ray_envs(render(values_of(None, fairserve={"router": {"ingress": "haproxy"}}))):
+        assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+        assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    for env in ray_envs(render(values_of(None))):
+        assert "RAY_SERVE_ENABLE_HA_PROXY" not in env
+
+
 def test_embedded_redis_is_durable_and_never_evicts() -> None:
     docs = render(values_of(None))
     (config,) = [d for d in of_kind(docs, "ConfigMap") if "redis" in d["metadata"]["name"]]

@@ -121,6 +121,14 @@ spec:
         - name: OTEL_TRACES_SAMPLER_ARG
           value: {{ $v.telemetry.samplerArg | quote }}
         {{- end }}
+        {{- if eq (toString $v.fairserve.router.ingress) "haproxy" }}
+        # fairserve.router.ingress: haproxy (cluster/ingress.py): Ray Serve's throughput mode and
+        # its HAProxy ingress on port 8000 of every Ray pod, before each router's own HTTP port
+        - name: RAY_SERVE_THROUGHPUT_OPTIMIZED
+          value: "1"
+        - name: RAY_SERVE_ENABLE_HA_PROXY
+          value: "1"
+        {{- end }}
         {{- with $v.ray.env }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
