@@ -41,7 +41,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from replicas.protocol import PUBLISHED_BLOCKS, PUBLISHED_VERSION, hash_block_tokens
+from replicas.protocol import PUBLISHED_BLOCKS, PUBLISHED_VERSION, ReplicaCall, hash_block_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -214,9 +214,9 @@ class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRout
         if pending_request is None or not pending_request.args:
             return []
         call = pending_request.args[0]
-        if not isinstance(call, dict) or not call.get("prompt_token_ids"):
+        if not isinstance(call, ReplicaCall) or not call.prompt_token_ids:
             return []
-        return block_hashes(call["prompt_token_ids"], self.block_size)
+        return block_hashes(call.prompt_token_ids, self.block_size)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None

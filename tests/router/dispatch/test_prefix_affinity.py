@@ -4,12 +4,14 @@ index of what was sent where, and the ranking that balances affinity against loa
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
-from replicas.protocol import hash_block_tokens
+from replicas.protocol import ReplicaCall, hash_block_tokens
 from router.dispatch.prefix_affinity import (
     OwnLoads,
+    PrefixAffinityRouter,
     PrefixIndex,
     block_hashes,
     published_match,
@@ -117,3 +119,13 @@ def test_a_burst_with_no_known_loads_still_respects_the_imbalance() -> None:
         placed.append(replica)
     assert placed.count("a") <= placed.count("b") + 8 + 1
     assert placed.count("b") >= 3 and placed[:9] == ["a"] * 9
+
+
+def test_the_router_hashes_the_prompt_of_the_replica_call_it_routes() -> None:
+    """What Ray Serve hands the request router is the dispatcher's ``ReplicaCall``: its prompt's
+    blocks are what the router looks for (a call it cannot read would route blind)."""
+    call = ReplicaCall("r.1.0", tuple(range(10)), {"max_tokens": 4})
+    pending = SimpleNamespace(args=[call])
+    router = SimpleNamespace(block_size=BS)
+    assert PrefixAffinityRouter._hashes(router, pending) == block_hashes(list(range(10)), BS)
+    assert PrefixAffinityRouter._hashes(router, SimpleNamespace(args=[{"x": 1}])) == []
