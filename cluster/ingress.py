@@ -16,6 +16,7 @@ clusters on one machine (a developer's and the test suite's) do not collide.
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 
 from cluster.redis_server import free_port
 from cluster.settings import FairserveSettings, Ingress
@@ -23,8 +24,15 @@ from cluster.settings import FairserveSettings, Ingress
 ROUTER_PORTS = 64  # ports each cluster's routers may take (Ray quarantines a freed one a while)
 
 
+def ingress_files(env: dict[str, str]) -> Path | None:
+    """The folder of HAProxy's files that ``ingress_env`` made (the launcher removes it)."""
+    config = env.get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC")
+    return Path(config).parent if config else None
+
+
 def ingress_env(settings: FairserveSettings) -> dict[str, str]:
-    """The environment variables Ray's processes need for ``settings.router.ingress``."""
+    """The environment variables Ray's processes need for ``settings.router.ingress``; with
+    HAProxy, a new folder for its files (``ingress_files``)."""
     if settings.router.ingress is Ingress.PROXY:
         return {}
     # short: HAProxy's admin socket path must fit a Unix socket's 108 bytes

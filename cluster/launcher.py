@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 import urllib.error
@@ -23,7 +24,7 @@ import ray
 from ray import serve
 
 from cluster.app import REPLICA_DEPLOYMENT, ROUTER_DEPLOYMENT, build_app
-from cluster.ingress import ingress_env
+from cluster.ingress import ingress_env, ingress_files
 from cluster.placement import RayResources, max_model_replicas, place
 from cluster.redis_server import EmbeddedRedis
 from cluster.settings import FairserveSettings
@@ -62,6 +63,7 @@ class LocalCluster:
         self.model_info: ModelInfo | None = None  # what the routers know of the model
         self._started_ray = False
         self._started_serve = False
+        self._ingress_files: Path | None = None
 
     def start(self) -> ClusterInfo:
         started = time.perf_counter()
@@ -114,6 +116,9 @@ class LocalCluster:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        if self._ingress_files is not None:  # HAProxy's config and socket, once Ray is down
+            shutil.rmtree(self._ingress_files, ignore_errors=True)
+            self._ingress_files = None
 
     # ---- steps ----
 
@@ -136,6 +141,7 @@ class LocalCluster:
         # Ray's processes take the ingress from the environment they start in (a local Ray's
         # raylet keeps the one it had at ray.init; this process's is put back after)
         env = ingress_env(s) if s.ray.address is None else {}
+        self._ingress_files = ingress_files(env)
         saved = {name: os.environ.get(name) for name in env}
         os.environ.update(env)
         try:

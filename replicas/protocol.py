@@ -45,7 +45,7 @@ PUBLISHED_BLOCKS = "cached_block_hashes"
 PUBLISHED_VERSION = "cached_version"
 
 
-# ---- the replica call and its chunks (router -> replica -> router, pickled by Ray) ----
+# ---- the replica call (pickled by Ray, once a request) and its chunks (``encode``d) ----
 @dataclass(frozen=True, slots=True)
 class CallResume:
     """Where a choice of a migrated request stands (``replicas.engine.interface.ChoiceResume``):

@@ -2,7 +2,8 @@
 
 Dispatchers call ``generate`` through a streaming deployment handle with a ``ReplicaCall`` (the
 prompt's token ids, counted and reserved by the router, and sampling parameters); it yields
-``ReplicaChunk`` structs (``replicas/protocol.py``: the router does not import the engine). The engine is injected by a factory so tests can
+``ReplicaChunk``s encoded by their codec (``replicas/protocol.py``: the router does not import
+the engine). The engine is injected by a factory so tests can
 host a tiny model. ``check_health`` fails when the engine loop is dead or stuck, so Ray Serve
 replaces the replica. Every ``report_interval_s`` the replica writes its load report to Redis.
 On shutdown it withdraws its report first (no more grants for it) and lets running requests

@@ -101,7 +101,16 @@ class TokenSourceEngine:
                                      running.first_token_s, now))
 
     async def abort(self, request_id: str) -> bool:
-        return self._running.pop(request_id, None) is not None
+        running = self._running.pop(request_id, None)
+        if running is None:
+            return False
+        num_prompt = len(running.request.prompt_token_ids or ())
+        now = time.time()
+        running.chunks.put_nowait(Chunk(request_id, (), "", FinishReason.ABORT,
+                                        usage=Usage(num_prompt, 0, running.num_sent),
+                                        timings=Timings(running.arrived_s, running.arrived_s,
+                                                        running.first_token_s, now)))
+        return True
 
     def cached_prefix(self) -> CachedPrefix:
         return CachedPrefix()

@@ -18,13 +18,15 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from replicas.protocol import MAX_REPETITION_PENALTY
+from replicas.protocol import (  # the limits the engine checks too: one definition
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+)
 
-MAX_STOP_STRINGS = 16
-MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
-MAX_N = 128  # OpenAI's bound; the deployment's own is router.api.max_n
-MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_STOP_TOKEN_IDS = 64
 SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 TOKEN_ID_KEY = r"^(0|[1-9][0-9]{0,9})$"  # a logit_bias key: a token id, no leading zeros

