@@ -46,7 +46,7 @@ from router.api.openai_models import (
     ModelList,
 )
 from router.api.openapi import openapi_document
-from router.api.shaper import Shape, Shaper
+from router.api.shaper import Shape, Shaper, sse_data
 from router.dispatch.response_events import ChunkData, EndData
 from router.dispatch.streams import START
 from router.errors import (
@@ -269,7 +269,7 @@ async def _sse(service: RouterService, tenant_id: str, shaper: Shaper,
     is_ended = False
     try:
         if after == START:  # a stream resumed part-way has had its openers
-            openers = "".join(_data(opener) for opener in shaper.first_chunks())
+            openers = "".join(sse_data(opener) for opener in shaper.first_chunks())
             if openers:
                 yield openers
         # all the events that arrived together go out in one write
@@ -285,16 +285,16 @@ async def _sse(service: RouterService, tenant_id: str, shaper: Shaper,
             if text:  # what came before a failure is still the client's
                 yield text
             _raise_if_failed(item)
-            yield "".join([*(_data(payload, event_id)
+            yield "".join([*(sse_data(payload, event_id)
                              for payload in shaper.last_chunks(item, phases)),
                            f"id: {event_id}\ndata: [DONE]\n\n"])
             return
     except RouterError as exc:
         is_ended = True
-        yield _data(_error_body(exc))
+        yield sse_data(_error_body(exc))
     except (RedisError, OSError) as exc:  # the queue store went away for good: say so
         is_ended = True
-        yield _data(_error_body(OverloadedError(f"the queue store is unavailable: {exc}")))
+        yield sse_data(_error_body(OverloadedError(f"the queue store is unavailable: {exc}")))
     finally:
         if not is_ended:  # disconnect (or cancellation of this handler)
             observer.cancelled()
@@ -309,15 +309,8 @@ def _chunks_text(batch: list[tuple[str, ChunkData | EndData]], shaper: Shaper,
         if not isinstance(item, ChunkData):
             return "".join(out), (event_id, item)
         observer.tokens(item.num_tokens)
-        payload = shaper.delta(item)
-        if payload is not None:
-            out.append(_data(payload, event_id))
+        out.append(shaper.delta_sse(item, event_id))
     return "".join(out), None
-
-
-def _data(payload: dict[str, Any], event_id: str | None = None) -> str:
-    data = f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-    return data if event_id is None else f"id: {event_id}\n{data}"
 
 
 def _raise_if_failed(end: EndData) -> None:

@@ -8,6 +8,7 @@ objects as the one that sent it.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -64,10 +65,21 @@ class Shaper:
         self.created = shape.created_s
         self.prompt_tokens = shape.prompt_tokens
         self.num_tokens = 0  # all choices together
-        self.texts: list[list[str]] = [[] for _ in range(shape.num_choices)]
+        self.texts: list[list[str]] = [[] for _ in range(shape.num_choices)]  # not streaming
+        self.num_chars = [0] * shape.num_choices  # each choice's text so far (streaming)
         self.logprobs: list[list[Any]] = [[] for _ in range(shape.num_choices)]
         self.finished: set[int] = set()
         self.wants_logprobs = shape.wants_logprobs
+        # NOTE: a stream's token chunk is the hottest object the router builds: in the common
+        # case (no logprobs, no usage per chunk) its JSON is put together from these two
+        # pieces and the chunk's text, byte for byte what ``_data(delta(...))`` writes
+        # (tests/router/test_shaper.py holds them equal).
+        self._is_plain = not self.wants_logprobs and not self.continuous_usage
+        head = self._envelope([], True)
+        head.pop("usage", None)
+        self._head = json.dumps(head, separators=(",", ":"))[:-3] + '[{"index":'
+        self._tail = "}]" + (',"usage":null}' if self.include_usage else "}")
+        self._text_key = '"delta":{"content":' if self.is_chat else '"text":'
 
     def _envelope(self, choices: list[dict[str, Any]], streaming: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if streaming else "chat.completion") if self.is_chat \
@@ -108,15 +120,32 @@ class Shaper:
         """The one stream chunk of a chunk event (its text, and its choice's finish reason if
         it is the last: one event, one SSE message, so an event id names all it carried)."""
         index = chunk.index
-        offset = sum(map(len, self.texts[index]))
+        offset = self.num_chars[index]
         logprobs = self._logprobs(chunk.logprobs or [], offset) if self.wants_logprobs else None
-        self.add(chunk)
+        self.num_tokens += chunk.num_tokens
+        self.num_chars[index] += len(chunk.text)
         if chunk.finish_reason is not None:
             self.finished.add(index)
         elif not (chunk.text or chunk.num_tokens):
             return None
         text = chunk.text if (chunk.text or chunk.num_tokens) else None
         return self._envelope([self._choice(index, text, logprobs, chunk.finish_reason)], True)
+
+    def delta_sse(self, chunk: ChunkData, event_id: str) -> str:
+        """``delta``'s chunk as its SSE message (``""`` when there is none)."""
+        if not self._is_plain or not (chunk.text or chunk.num_tokens):
+            payload = self.delta(chunk)
+            return "" if payload is None else sse_data(payload, event_id)
+        self.num_tokens += chunk.num_tokens
+        self.num_chars[chunk.index] += len(chunk.text)
+        finish = chunk.finish_reason
+        if finish is not None:
+            self.finished.add(chunk.index)
+        text = json.dumps(chunk.text)
+        end = "}" if self.is_chat else ""
+        reason = "null" if finish is None else json.dumps(finish)
+        return (f"id: {event_id}\ndata: {self._head}{chunk.index},\"logprobs\":null,"
+                f"\"finish_reason\":{reason},{self._text_key}{text}{end}{self._tail}\n\n")
 
     def _finish_chunk(self, index: int, reason: str | None) -> dict[str, Any]:
         self.finished.add(index)
@@ -167,6 +196,12 @@ class Shaper:
                 "token_logprobs": [lp for _, lp, _ in items],
                 "top_logprobs": [dict(top) for _, _, top in items],
                 "text_offset": offsets}
+
+
+def sse_data(payload: dict[str, Any], event_id: str | None = None) -> str:
+    """One SSE message of a JSON payload, with its event id if it has one."""
+    data = f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    return data if event_id is None else f"id: {event_id}\n{data}"
 
 
 def usage_of(end: EndData, phases: PhaseTimes) -> dict[str, Any]:
