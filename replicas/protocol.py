@@ -7,10 +7,13 @@ other, light enough for a router process (no torch, no engine).
   KV blocks under these hashes, and the router's prefix-affinity routing hashes a prompt the
   same way to find the replica that holds it (``router/dispatch/prefix_affinity.py``).
 - The keys of a replica's routing stats that carry its cached block hashes.
-- The replica call and the chunks it streams back (``ReplicaCall``, ``ReplicaChunk``): typed
+- The replica call and the reports it streams back (``ReplicaCall``, ``CallReport``): typed
   structs, built once by their sender and read by attribute by their receiver. A call goes
-  as it is (Ray pickles it, once per request); a chunk crosses as the plain sequence of its
-  one codec (``ReplicaChunk.encode``/``decode``), which Ray packs without pickling.
+  as it is (Ray pickles it, once per request); a report crosses as the plain sequence of its
+  one codec (``CallReport.encode``/``decode``), which Ray packs without pickling. Tokens do
+  not cross here: the replica appends them to the request's response stream in Redis
+  (``CallStream``), one script call per engine step for all the calls it runs, and the
+  router's readers take them from there (``router/dispatch/stream_mux.py``).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ PUBLISHED_BLOCKS = "cached_block_hashes"
 PUBLISHED_VERSION = "cached_version"
 
 
-# ---- the replica call (pickled by Ray, once a request) and its chunks (``encode``d) ----
+# ---- the replica call (pickled by Ray, once a request) and its reports (``encode``d) ----
 @dataclass(frozen=True, slots=True)
 class CallResume:
     """Where a choice of a migrated request stands (``replicas.engine.interface.ChoiceResume``):
@@ -68,6 +71,20 @@ class CallScheduling:
 
 
 @dataclass(frozen=True, slots=True)
+class CallStream:
+    """Where a call's output goes: its request's response stream in Redis, which the replica
+    appends to itself, once per engine step for all its calls (``router/state/scripts/
+    append.lua``). Fenced twice: by the dispatcher's lease (tenant, request, holder, attempt)
+    and by ``writer``, the one call the lease holder lets write (a call it gave up on cannot)."""
+
+    tenant_id: str
+    request_id: str
+    holder: str
+    attempt: int
+    writer: str
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaCall:
     """One request sent to a model replica. ``sampling`` is the router's sampling JSON as it
     was admitted (``router.api.sampling.sampling_wire``; the replica checks it again as
@@ -76,6 +93,7 @@ class ReplicaCall:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: dict[str, Any]
+    stream: CallStream
     scheduling: CallScheduling | None = None
     resume: tuple[CallResume, ...] = ()
     trace: dict[str, str] | None = None
@@ -105,55 +123,52 @@ class ChunkTimings:
     num_preemptions: int = 0
 
 
-# a sampled token's logprob: (token id, logprob, ((alternative id, logprob), ...))
-TokenLogprobWire = tuple[int, float, tuple[tuple[int, float], ...]]
+class Halt:
+    """Why a replica stopped a call before its end (``CallReport.halted``)."""
+
+    CANCELLED = "cancelled"  # the request's cancel flag was up (its client went away)
+    LEASE_LOST = "lease_lost"  # the stream refused its writes: another holder or writer
+    REDIS_UNAVAILABLE = "redis_unavailable"  # no write went through for the outage allowance
 
 
 @dataclass(frozen=True, slots=True)
-class ReplicaChunk:
-    """What one engine step produced for one choice of a request, as the replica sends it.
-    The first chunk of every call has no tokens and names the replica (who has the request);
-    the final one of a choice has ``finish_reason``, ``usage``, ``timings`` and the replica."""
+class CallReport:
+    """What a replica tells the dispatcher over Ray about a call; the tokens themselves go to
+    the response stream (``CallStream``). The first report of every call names the replica
+    (who has the request); while it runs, an empty report now and then says the call is alive
+    (``is_heartbeat``); each choice's end comes once its last chunk is in the stream, with the
+    choice's output tokens there (``position``), its ``usage`` and ``timings``; ``halted`` says
+    the replica stopped the call early and why (``Halt``)."""
 
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str | None = None
+    replica_id: str | None = None
     index: int = 0
-    logprobs: tuple[TokenLogprobWire, ...] | None = None
+    finish_reason: str | None = None
+    position: int = 0
     usage: ChunkUsage | None = None
     timings: ChunkTimings | None = None
-    replica_id: str | None = None
+    halted: str | None = None
 
     @property
-    def is_empty(self) -> bool:
-        """No token, no text, no end: the replica saying it has the call."""
-        return not self.token_ids and not self.text and self.finish_reason is None
+    def is_heartbeat(self) -> bool:
+        return self.replica_id is None and self.finish_reason is None and self.halted is None
 
     # NOTE: the codec. Ray packs plain lists, strings and numbers with msgpack and pickles any
-    # other object, which costs the replica and the router more per chunk than the chunk's
-    # own work (measured: a slotted dataclass per chunk put 0.07 ms of replica CPU on every
-    # streamed token). So a chunk crosses as a plain sequence: (token ids, text, index) for a
-    # token chunk, all eight fields for the others, in this order, and nowhere else.
+    # other object (a slotted dataclass per message cost the replica 0.07 ms each, measured
+    # when a message went per token), so a report crosses as the plain sequence of its fields
+    # in this order, and nowhere else.
     def encode(self) -> tuple[Any, ...]:
-        if self.finish_reason is None and self.logprobs is None and self.replica_id is None:
-            return self.token_ids, self.text, self.index
         usage, timings = self.usage, self.timings
-        return (self.token_ids, self.text, self.index, self.finish_reason, self.logprobs,
+        return (self.replica_id, self.index, self.finish_reason, self.position,
                 None if usage is None else (usage.prompt_tokens, usage.completion_tokens,
                                             usage.cached_tokens),
                 None if timings is None else (
                     timings.arrived_s, timings.first_scheduled_s, timings.first_token_s,
                     timings.finished_s, timings.num_prefill_chunks, timings.num_preemptions),
-                self.replica_id)
+                self.halted)
 
     @classmethod
-    def decode(cls, wire: Sequence[Any]) -> ReplicaChunk:
-        if len(wire) == 3:
-            return cls(tuple(wire[0]), wire[1], index=wire[2])
-        ids, text, index, finish, logprobs, usage, timings, replica_id = wire
-        return cls(tuple(ids), text, finish, index,
-                   None if logprobs is None else tuple(
-                       (int(t), float(lp), tuple((int(a), float(b)) for a, b in top))
-                       for t, lp, top in logprobs),
+    def decode(cls, wire: Sequence[Any]) -> CallReport:
+        replica_id, index, finish, position, usage, timings, halted = wire
+        return cls(replica_id, int(index), finish, int(position),
                    None if usage is None else ChunkUsage(*usage),
-                   None if timings is None else ChunkTimings(*timings), replica_id)
+                   None if timings is None else ChunkTimings(*timings), halted)

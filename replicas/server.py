@@ -1,10 +1,12 @@
 """The model replica: a Ray Serve deployment hosting one engine.
 
 Dispatchers call ``generate`` through a streaming deployment handle with a ``ReplicaCall`` (the
-prompt's token ids, counted and reserved by the router, and sampling parameters); it yields
-``ReplicaChunk``s encoded by their codec (``replicas/protocol.py``: the router does not import
-the engine). The engine is injected by a factory so tests can
-host a tiny model. ``check_health`` fails when the engine loop is dead or stuck, so Ray Serve
+prompt's token ids, counted and reserved by the router, sampling parameters, and the response
+stream its output goes to). The tokens go straight into that stream in Redis, one script call
+per engine step for every call the replica runs (``replicas/stream_writer.py``); over Ray the
+call yields only ``CallReport``s (who has it, that it is alive, each choice's end, or why it
+stopped), encoded by their codec (``replicas/protocol.py``: the router does not import the
+engine). The engine is injected by a factory so tests can host a tiny model. ``check_health`` fails when the engine loop is dead or stuck, so Ray Serve
 replaces the replica. Every ``report_interval_s`` the replica writes its load report to Redis.
 On shutdown it withdraws its report first (no more grants for it) and lets running requests
 finish within Ray Serve's graceful shutdown timeout; whatever is cut off then is requeued by
@@ -21,6 +23,8 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from replicas.engine.config import EngineConfig
 from replicas.engine.factory import make_engine
 from replicas.engine.interface import (
@@ -35,12 +39,15 @@ from replicas.load_report import LoadReporter
 from replicas.protocol import (
     PUBLISHED_BLOCKS,
     PUBLISHED_VERSION,
+    CallReport,
     CallScheduling,
     ChunkUsage,
+    Halt,
     ReplicaCall,
-    ReplicaChunk,
 )
+from replicas.stream_writer import LogprobWire, StreamWriter
 from replicas.tracing import record_engine_spans
+from router.errors import LeaseLostError
 from router.state.capacity import ReplicaLoad
 from router.telemetry.tracing import configure_tracing
 
@@ -50,13 +57,14 @@ THROUGHPUT_WINDOW_S = 10.0
 AUTOSCALE_WINDOW_S = 5.0  # tokens/s for the autoscaler: over the last 5 s of work
 AUTOSCALE_MIN_SPAN_S = 1.0
 DRAIN_POLL_S = 0.1
+HEARTBEAT_S = 1.0  # a running call tells its dispatcher it is alive this often, at least
 
 
 @dataclass(frozen=True, slots=True)
 class ReplicaOptions:
     engine: EngineConfig
     max_ongoing_requests: int
-    redis_url: str | None  # None: no load reports (a replica used without the router)
+    redis_url: str  # load reports, and the response streams the calls write
     report_interval_s: float = 0.5
     drain_timeout_s: float = 20.0
 
@@ -76,17 +84,16 @@ class ModelReplica:
         self._output_marks: list[tuple[float, int]] = []  # (time, output tokens), recent
         self._token_marks: list[tuple[float, int]] = []  # (time, prompt + output tokens)
         self._remaining: dict[str, int] = {}  # request id -> tokens still to process
-        self._reporter: LoadReporter | None = None
-        self._report_task: asyncio.Task[None] | None = None
-        if options.redis_url:
-            self._reporter = LoadReporter(options.redis_url, self.load_report,
-                                          options.report_interval_s)
-            await self._reporter.report()
-            self._report_task = asyncio.create_task(self._reporter.run())
+        self.writer = StreamWriter(options.redis_url)
+        self._reporter = LoadReporter(options.redis_url, self.load_report,
+                                      options.report_interval_s)
+        await self._reporter.report()
+        self._report_task = asyncio.create_task(self._reporter.run())
         logger.info("replica %s ready", self.replica_id)
 
     async def generate(self, call: ReplicaCall) -> AsyncGenerator[tuple[Any, ...], None]:
-        """The call's chunks, each ``ReplicaChunk.encode``d (the router decodes them)."""
+        """Run the call, its chunks written to its response stream; yields its ``CallReport``s,
+        each ``encode``d (the router decodes them)."""
         request = GenerateRequest(
             request_id=call.request_id,
             sampling=SamplingParams(**_sampling_args(call.sampling)),
@@ -97,27 +104,63 @@ class ModelReplica:
             scheduling=_scheduling(call.scheduling),
         )
         # who has the request, at once: the dispatcher watches this replica's heartbeat
-        yield ReplicaChunk((), "", replica_id=self.replica_id).encode()
+        yield CallReport(self.replica_id).encode()
         self._num_ongoing += 1
         num_prompt = len(request.prompt_token_ids or ())
         self._remaining[request.request_id] = (num_prompt + request.sampling.n
                                                * request.sampling.max_tokens)
+        # each choice's output tokens in the stream: what its client had, then what follows
+        positions = {r.index: len(r.token_ids) for r in call.resume}
         is_prefilled = False
+        reported_s = time.monotonic()
         try:
             async for chunk in self.engine.generate(request):
+                now = time.monotonic()
                 if chunk.token_ids:
-                    now = time.monotonic()
                     self._output_marks.append((now, len(chunk.token_ids)))
                     done = len(chunk.token_ids) + (0 if is_prefilled else num_prompt)
                     is_prefilled = True
                     self._token_marks.append((now, done))
                     self._remaining[request.request_id] -= done
-                if chunk.finish_reason is not None and chunk.index == 0:
-                    self._trace(call.trace, chunk)  # the trace follows the first choice
-                yield to_wire(chunk, self.replica_id).encode()
+                halted = await self._write(call, chunk, positions)
+                if halted is not None:
+                    yield CallReport(halted=halted).encode()
+                    return
+                if chunk.finish_reason is not None:
+                    if chunk.index == 0:
+                        self._trace(call.trace, chunk)  # the trace follows the first choice
+                    yield final_report(chunk, positions.get(chunk.index, 0),
+                                       self.replica_id).encode()
+                    reported_s = now
+                elif now - reported_s >= HEARTBEAT_S:
+                    yield CallReport().encode()
+                    reported_s = now
         finally:
             self._num_ongoing -= 1
             self._remaining.pop(request.request_id, None)
+
+    async def _write(self, call: ReplicaCall, chunk: Chunk, positions: dict[int, int]
+                     ) -> str | None:
+        """The chunk into the call's response stream; why the call must stop, or None."""
+        if not (chunk.token_ids or chunk.text or chunk.finish_reason is not None):
+            return None
+        position = 0  # a chunk without tokens is not fenced
+        if chunk.token_ids:
+            position = positions[chunk.index] = (positions.get(chunk.index, 0)
+                                                 + len(chunk.token_ids))
+        logprobs: list[LogprobWire] | None = None if chunk.logprobs is None else [
+            [lp.token_id, lp.logprob, [[t, p] for t, p in lp.top]] for lp in chunk.logprobs]
+        try:
+            status = await self.writer.write(
+                call.stream, chunk.text, chunk.token_ids, position, logprobs, chunk.index,
+                chunk.finish_reason.value if chunk.finish_reason is not None else None)
+        except LeaseLostError as exc:
+            logger.warning("%s: stopped: %s", call.request_id, exc.message)
+            return Halt.LEASE_LOST
+        except (RedisError, OSError) as exc:
+            logger.error("%s: stopped, Redis unreachable: %s", call.request_id, exc)
+            return Halt.REDIS_UNAVAILABLE
+        return Halt.CANCELLED if status.is_cancel_requested else None
 
     def _trace(self, trace_fields: dict[str, str] | None, final: Chunk) -> None:
         tracer = self.tracing.tracer
@@ -168,14 +211,13 @@ class ModelReplica:
 
     async def __del__(self) -> None:
         """Graceful shutdown: take no more grants, let running requests finish, stop."""
-        if self._report_task is not None:
-            self._report_task.cancel()
-        if self._reporter is not None:
-            await self._reporter.withdraw(self.replica_id)
+        self._report_task.cancel()
+        await self._reporter.withdraw(self.replica_id)
         deadline = time.monotonic() + self.options.drain_timeout_s
         while self._num_ongoing and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
         await self.engine.shutdown()
+        await self.writer.close()
         self.tracing.shutdown()  # flushes the spans not exported yet
 
 
@@ -200,20 +242,16 @@ def _scheduling(raw: CallScheduling | None) -> SchedulingHints | None:
     return SchedulingHints(raw.key, raw.priority, raw.weight)
 
 
-def to_wire(chunk: Chunk, replica_id: str) -> ReplicaChunk:
-    """The engine's chunk as the router reads it; a final one names the replica."""
-    if chunk.finish_reason is None and chunk.logprobs is None:  # the common case, kept short
-        return ReplicaChunk(chunk.token_ids, chunk.text, index=chunk.index)
+def final_report(chunk: Chunk, position: int, replica_id: str) -> CallReport:
+    """A choice's end, once its last chunk is in the stream: where the choice stands there,
+    the engine's usage and timings, and the replica that made it."""
     usage = chunk.usage
-    return ReplicaChunk(
-        chunk.token_ids, chunk.text,
-        chunk.finish_reason.value if chunk.finish_reason else None, chunk.index,
-        None if chunk.logprobs is None else tuple((lp.token_id, lp.logprob, lp.top)
-                                                  for lp in chunk.logprobs),
+    return CallReport(
+        replica_id, chunk.index, chunk.finish_reason.value if chunk.finish_reason else None,
+        position,
         None if usage is None else ChunkUsage(usage.num_prompt_tokens, usage.num_output_tokens,
                                               usage.num_cached_tokens),
-        chunk.timings,  # the engine's Timings are the protocol's ChunkTimings
-        replica_id if chunk.finish_reason is not None else None)
+        chunk.timings)  # the engine's Timings are the protocol's ChunkTimings
 
 
 def _replica_id() -> str:

@@ -25,7 +25,7 @@ from ray.serve.exceptions import (
 )
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from replicas.protocol import ReplicaCall, ReplicaChunk
+from replicas.protocol import CallReport, ReplicaCall
 from router.api.prompt_tokenizer import ModelInfo
 from router.api.routes import build_api
 from router.config import ApiSettings, QueueSettings
@@ -51,10 +51,10 @@ class _ReplicaStream:
     def cancel(self) -> None:
         self.response.cancel()
 
-    async def __aiter__(self) -> AsyncIterator[ReplicaChunk]:
+    async def __aiter__(self) -> AsyncIterator[CallReport]:
         try:
             async for wire in self.response:
-                yield ReplicaChunk.decode(wire)
+                yield CallReport.decode(wire)
         except RequestCancelledError:
             return
         except _UNAVAILABLE as exc:

@@ -104,7 +104,7 @@ class RouterService:
         self.mux = StreamMux(client)
         self.metrics = MetricsStore()
         self.dispatcher = Dispatcher(
-            self.queues, replicas, self.tokenizer, holder, options.dispatch, options.tracing,
+            self.queues, replicas, holder, options.dispatch, options.tracing,
             on_migration=lambda tenant, reason: self.metrics.inc("fairserve_migrations",
                                                                  (tenant, reason)))
         self.holder = holder

@@ -219,7 +219,7 @@ async def _respond(service: RouterService, body: ChatCompletionRequest | Complet
 
 async def _reply(service: RouterService, tenant_id: str, shape: Shape,
                  observer: RequestObserver, stream: bool, after: str) -> Any:
-    shaper = Shaper(shape)
+    shaper = Shaper(shape, service.tokenizer.piece)
     headers = {"X-Fairserve-Request-Id": shape.request_id}
     await service.attach(tenant_id, shape.request_id)
     if stream:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -55,7 +56,9 @@ class Shaper:
     ``continuous_usage_stats`` every chunk has the usage so far.
     """
 
-    def __init__(self, shape: Shape) -> None:
+    def __init__(self, shape: Shape, piece: Callable[[int], str]) -> None:
+        """``piece``: a token id's text (the response stream's logprobs carry ids)."""
+        self.piece = piece
         self.is_chat = shape.is_chat
         self.include_usage = shape.include_usage
         self.continuous_usage = shape.continuous_usage
@@ -183,18 +186,22 @@ class Shaper:
         return out
 
     def _logprobs(self, items: list[Any], offset: int) -> dict[str, Any]:
+        """OpenAI's logprobs of ``items`` (``[id, logprob, [[id, logprob], ...]]`` each, as
+        the stream has them), the text of the first starting at ``offset``."""
+        piece = self.piece
+        named = [(piece(tid), lp, [(piece(t), p) for t, p in top]) for tid, lp, top in items]
         if self.is_chat:
             return {"content": [{
                 "token": tok, "logprob": lp, "bytes": list(tok.encode()),
                 "top_logprobs": [{"token": t, "logprob": p, "bytes": list(t.encode())}
-                                 for t, p in top]} for tok, lp, top in items]}
+                                 for t, p in top]} for tok, lp, top in named]}
         offsets, position = [], offset
-        for tok, _, _ in items:
+        for tok, _, _ in named:
             offsets.append(position)
             position += len(tok)
-        return {"tokens": [tok for tok, _, _ in items],
-                "token_logprobs": [lp for _, lp, _ in items],
-                "top_logprobs": [dict(top) for _, _, top in items],
+        return {"tokens": [tok for tok, _, _ in named],
+                "token_logprobs": [lp for _, lp, _ in named],
+                "top_logprobs": [dict(top) for _, _, top in named],
                 "text_offset": offsets}
 
 

@@ -29,9 +29,8 @@ from opentelemetry.trace import Span
 from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 
-from router.api.prompt_tokenizer import PromptTokenizer
 from router.dispatch.relay import Relay, RelaySettings, ReplicaPool, Running, end_span
-from router.dispatch.streams import AppendBatcher, ResponseStreams
+from router.dispatch.streams import ResponseStreams
 from router.errors import LeaseLostError, RouterError
 from router.messages import Grant, Lease
 from router.state.capacity import CapacityView
@@ -77,21 +76,18 @@ class DispatchSettings(BaseModel):
 
 
 class Dispatcher:
-    def __init__(self, queues: TenantQueues, replicas: ReplicaPool, tokenizer: PromptTokenizer,
-                 holder: str, settings: DispatchSettings | None = None,
+    def __init__(self, queues: TenantQueues, replicas: ReplicaPool, holder: str, settings: DispatchSettings | None = None,
                  tracing: Tracing = OFF,
                  on_migration: Callable[[str, str], None] = lambda tenant, reason: None) -> None:
         self.queues = queues
         self.streams = ResponseStreams(queues.scripts)
-        self.appends = AppendBatcher(self.streams)
         self.tracing = tracing
         self.replicas = replicas
-        self.tokenizer = tokenizer
         self.holder = holder
         self.settings = settings or DispatchSettings()
         self.capacity = CapacityView(queues.client, self.settings.capacity_refresh_s)
         self._wake = asyncio.Event()
-        self.relay = Relay(queues, self.appends, replicas, tokenizer, tracing,
+        self.relay = Relay(queues, self.streams, replicas, tracing,
                            self.settings.relay_settings(), on_migration)
         self._running: dict[str, Running] = {}
         self._tasks: set[asyncio.Task[None]] = set()

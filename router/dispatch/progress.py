@@ -1,10 +1,11 @@
 """Where a request stands, per choice: the output tokens its client has been sent, their text,
 and whether the choice has ended. What a migration resumes from.
 
-The dispatcher keeps it as chunks go out; a dispatcher that takes a request over (the one that
-had it died, or gave it back) rebuilds it from the request's response stream in Redis, which
-is the record of what the client was sent: every chunk event carries its choice, its token ids
-and the position it brings the choice to (``router/dispatch/response_events.py``).
+The replicas write the chunks; the dispatcher learns each choice's end from its replica's report
+(``finish``), and reads the whole of it back from the request's response stream in Redis before
+it migrates or takes a request over (the one that had it died, or gave it back): the stream is
+the record of what the client was sent, every chunk event carrying its choice, its token ids and
+the position it brings the choice to (``router/dispatch/response_events.py``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from router.messages import StreamEvent
 
 @dataclass(slots=True)
 class ChoiceProgress:
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # read back from the stream
     num_text_chars: int = 0
     finish_reason: str | None = None
+    num_tokens: int = 0  # the choice's output tokens in the stream
 
     @property
     def is_finished(self) -> bool:
@@ -39,14 +41,21 @@ class Progress:
         """Record a chunk sent to the client; returns the position it brings its choice to."""
         choice = self.choice(chunk.index)
         choice.token_ids.extend(token_ids)
+        choice.num_tokens = len(choice.token_ids)
         choice.num_text_chars += len(chunk.text)
         if chunk.finish_reason is not None:
             choice.finish_reason = chunk.finish_reason
-        return len(choice.token_ids)
+        return choice.num_tokens
+
+    def finish(self, index: int, finish_reason: str | None, num_tokens: int) -> None:
+        """A choice ended with ``num_tokens`` output tokens in the stream (its replica says)."""
+        choice = self.choice(index)
+        choice.finish_reason = finish_reason or "stop"
+        choice.num_tokens = num_tokens
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.choices.values())
+        return sum(c.num_tokens for c in self.choices.values())
 
     @property
     def is_finished(self) -> bool:

@@ -1,22 +1,34 @@
-"""One granted request on the replicas: its chunks relayed into its response stream, and
-migrated to another replica when the one running it dies, hangs or drains.
+"""One granted request on the replicas: called on one, watched to its end, and migrated to
+another replica when the one running it dies, hangs or drains.
+
+The tokens do not pass through here. The call names the request's response stream and a
+writer (``CallStream``); the replica appends its chunks there itself, one script call per
+engine step for all it runs (``replicas/stream_writer.py``), and the router's readers take
+them from the stream (``router/dispatch/stream_mux.py``). Over Ray the replica reports only
+who has the call, that it is alive, each choice's end (with its usage and timings), or why it
+stopped; the relay writes the request's end and settles it (``TenantQueues.complete``).
 
 NOTE: migration. The response stream in Redis is the record of what the client was sent
-(``router/dispatch/progress.py`` reads it back); a replica lost mid-stream is not the client's problem.
-The relay calls a replica again with the same request and a ``resume`` per choice: the output
-tokens already sent (output, not prompt: ``max_tokens``, ``min_tokens``, penalties, seeded draws
-by position and the grammar all count them) and how much of their text went out. The engine
-continues from there and sends only what follows (``replicas/engine/engine_core.py``); the
-client sees one unbroken stream, and one usage that counts each token once. Appends are fenced
-by position (``router/state/scripts/append.lua``), so a revived replica or a second writer never
-duplicates a token. A request migrates at most ``max_migrations`` times; after that it ends
-with an error event (or, if nothing was sent, goes back to its queue). Each migration is
-counted (``fairserve_migrations_total``) and traced (a ``fairserve.migration`` span).
+(``router/dispatch/progress.py`` reads it back); a replica lost mid-stream is not the client's
+problem. The relay first names no writer (``ResponseStreams.name_writer``), so the call it
+gave up on cannot append once it reads the stream back, even if its replica was only frozen
+and thaws later; then it calls a replica again with the same request, a new writer and a
+``resume`` per choice: the output tokens already sent (output, not prompt: ``max_tokens``,
+``min_tokens``, penalties, seeded draws by position and the grammar all count them) and how
+much of their text went out. The engine continues from there and sends only what follows
+(``replicas/engine/engine_core.py``); the client sees one unbroken stream, and one usage that
+counts each token once. Appends are also fenced by position (``router/state/scripts/
+append.lua``), so a token is never written twice. A request migrates at most
+``max_migrations`` times; after that it ends with an error event (or, if nothing was sent,
+goes back to its queue). Each migration is counted (``fairserve_migrations_total``) and traced
+(a ``fairserve.migration`` span).
 
 What triggers one: the replica's stream failing (the actor died, was killed at the end of a
-graceful drain that outlasted its timeout, or cannot be reached), and a stall. A Ray stream
-from a frozen process can hang its caller for ever, so the relay does not trust it to end: when
-no chunk came for ``stall_timeout_s`` it looks at the replica's heartbeat in Redis (its load
+graceful drain that outlasted its timeout, or cannot be reached), the replica losing Redis for
+longer than it rides out, and a stall. A Ray stream from a frozen process can hang its caller
+for ever, so the relay does not trust it to end: a running call reports at least every second
+(``replicas/server.py``, ``HEARTBEAT_S``), and when no report came for ``stall_timeout_s`` it
+looks at the replica's heartbeat in Redis (its load
 report, every ``report_interval_s``, with its engine's step count). A replica that stopped
 reporting, or whose engine has made no step for ``stall_timeout_s`` while it has work, is
 stalled: its stream is cancelled and the request moves. A slow but healthy engine (a long
@@ -37,17 +49,16 @@ import redis.asyncio as aioredis
 from opentelemetry.trace import Span, Status, StatusCode
 from redis.exceptions import RedisError
 
-from replicas.protocol import (
-    CallScheduling,
-    ReplicaCall,
-    ReplicaChunk,
-    TokenLogprobWire,
-)
-from router.api.prompt_tokenizer import PromptTokenizer
+from replicas.protocol import CallReport, CallScheduling, CallStream, Halt, ReplicaCall
 from router.dispatch import response_events
 from router.dispatch.progress import Progress
-from router.dispatch.streams import AppendBatcher, Event, ResponseStreams
-from router.errors import ReplicaFailedError, ReplicaUnavailableError, RouterError
+from router.dispatch.streams import ResponseStreams
+from router.errors import (
+    LeaseLostError,
+    ReplicaFailedError,
+    ReplicaUnavailableError,
+    RouterError,
+)
 from router.messages import Grant, RequestState, StreamEvent
 from router.state import keys
 from router.state.capacity import ReplicaLoad
@@ -64,7 +75,7 @@ MIGRATION_BACKOFF_S = (0.2, 0.5, 1.0, 2.0)
 
 
 class ReplicaStream(Protocol):
-    def __aiter__(self) -> AsyncIterator[ReplicaChunk]: ...
+    def __aiter__(self) -> AsyncIterator[CallReport]: ...
 
     def cancel(self) -> None: ...
 
@@ -73,7 +84,7 @@ class ReplicaPool(Protocol):
     """How a dispatcher reaches the replicas (a Ray Serve handle in the cluster)."""
 
     def generate(self, call: ReplicaCall) -> ReplicaStream:
-        """Start one request; iterating yields its chunks. Raises ``ReplicaUnavailableError``
+        """Start one request; iterating yields its reports. Raises ``ReplicaUnavailableError``
         or ``ReplicaFailedError`` while iterating."""
         ...
 
@@ -96,7 +107,7 @@ class Running:
     stream: ReplicaStream | None = None
     is_cancel_requested: bool = False
     progress: Progress = field(default_factory=Progress)
-    finals: dict[int, ReplicaChunk] = field(default_factory=dict)  # choice -> its last chunk
+    finals: dict[int, CallReport] = field(default_factory=dict)  # choice -> its end
     migrations: int = 0
     replica_id: str | None = None
 
@@ -105,15 +116,16 @@ class _Stalled(Exception):
     pass
 
 
+_CANCELLED = "cancelled"  # a call's end: its request's cancel flag went up
+
+
 class Relay:
-    def __init__(self, queues: TenantQueues, appends: AppendBatcher, replicas: ReplicaPool,
-                 tokenizer: PromptTokenizer, tracing: Tracing, settings: RelaySettings,
+    def __init__(self, queues: TenantQueues, streams: ResponseStreams, replicas: ReplicaPool,
+                 tracing: Tracing, settings: RelaySettings,
                  on_migration: Callable[[str, str], None] = lambda tenant, reason: None) -> None:
         self.queues = queues
-        self.appends = appends
-        self.streams = appends.streams
+        self.streams = streams
         self.replicas = replicas
-        self.tokenizer = tokenizer
         self.tracing = tracing
         self.settings = settings
         self.on_migration = on_migration
@@ -123,55 +135,89 @@ class Relay:
         """Serve the request to its end: completed, cancelled, failed, or given back."""
         grant = running.grant
         body = json.loads(grant.body)
-        num_choices = int(body["sampling"].get("n", 1))
-        running.progress = Progress(num_choices)
+        running.progress = Progress(int(body["sampling"].get("n", 1)))
         if grant.lease.attempt > 1:  # taken over: the client may have tokens already
-            events = [e async for e in _all_events(self.streams, grant)]
-            running.progress = Progress.from_events(events, num_choices)
+            await self._read_back(running)
             if running.progress.is_finished:  # all sent; only the end was not written
                 await self._complete(running)
                 return
         while True:
             reason = await self._attempt(running, body)
-            if reason is None or not await self._may_migrate(running, reason):
+            if reason is None:
                 return
+            await self._read_back(running)
+            if running.progress.is_finished:  # all sent; only the end was not written
+                await self._complete(running)
+                return
+            if not await self._may_migrate(running, reason):
+                return
+
+    async def _read_back(self, running: Running) -> None:
+        """What the client was sent, for sure: no call may write any more (the one that ran
+        may still, if it is only frozen), then the response stream read back."""
+        grant = running.grant
+        await _riding_out_redis(lambda: self.streams.name_writer(grant.lease, ""))
+        events = await _riding_out_redis(lambda: _all_events(self.streams, grant))
+        running.progress = Progress.from_events(events, running.progress.num_choices)
 
     async def _attempt(self, running: Running, body: dict[str, Any]) -> str | None:
         """One call to a replica; None when the request ended, else why it must move."""
         grant = running.grant
+        lease = grant.lease
+        writer = f"{lease.attempt}.{running.migrations}"
+        named = await _riding_out_redis(lambda: self.streams.name_writer(lease, writer))
+        if named.is_cancel_requested:
+            running.is_cancel_requested = True
         call = ReplicaCall(
-            request_id=f"{grant.request_id}.{grant.lease.attempt}.{running.migrations}",
+            request_id=f"{grant.request_id}.{writer}",
             prompt_token_ids=tuple(body["prompt_token_ids"]), sampling=body["sampling"],
+            stream=CallStream(lease.tenant_id, lease.request_id, lease.holder, lease.attempt,
+                              writer),
             # the engine's fair scheduler (replicas/engine/scheduler.py): whose tokens these are
             scheduling=CallScheduling(grant.tenant_id, grant.priority, grant.weight),
             resume=running.progress.resume(),
             trace=carrier(running.span) if running.span is not None else None)
-        want_logprobs = bool(body["sampling"].get("logprobs"))
         running.replica_id = None
         try:
-            running.stream = self.replicas.generate(call)
-            async for wire in self._watched(running, running.stream):
-                if running.is_cancel_requested:
-                    break
-                if await self._relay(running, wire, want_logprobs):
-                    return None
+            reason = _CANCELLED if running.is_cancel_requested else await self._follow(running,
+                                                                                     call)
+            if reason != _CANCELLED:
+                return reason
         except ReplicaUnavailableError as exc:
             return f"replica unavailable: {exc.message}"
         except _Stalled as exc:
             return f"stalled: {exc}"
         except ReplicaFailedError as exc:
+            await self._read_back(running)
             await self._fail(running, exc)
             return None
-        if running.is_cancel_requested:
-            await self._end_cancelled(running)
-            end_span(running, "cancelled")
-            return None
-        return "stream ended early"
+        await self._read_back(running)
+        await self._end_cancelled(running)
+        end_span(running, "cancelled")
+        return None
+
+    async def _follow(self, running: Running, call: ReplicaCall) -> str | None:
+        """The call's reports to its end: None when the request completed, else why it must
+        move, or ``_CANCELLED``."""
+        stream = running.stream = self.replicas.generate(call)
+        async for report in self._watched(running, stream):
+            if report.halted == Halt.LEASE_LOST:
+                raise LeaseLostError(f"lease on {running.grant.request_id!r} lost: the stream "
+                                     f"refused the replica's writes", param="request_id")
+            if report.halted == Halt.REDIS_UNAVAILABLE:
+                stream.cancel()
+                return f"replica {running.replica_id} lost Redis"
+            if report.halted == Halt.CANCELLED or running.is_cancel_requested:
+                running.is_cancel_requested = True
+                return _CANCELLED
+            if report.finish_reason is not None and await self._finished(running, report):
+                return None
+        return _CANCELLED if running.is_cancel_requested else "stream ended early"
 
     async def _watched(self, running: Running, stream: ReplicaStream
-                       ) -> AsyncIterator[ReplicaChunk]:
-        """The stream's chunks, or ``_Stalled`` when its replica stopped making progress."""
-        wires: asyncio.Queue[ReplicaChunk | BaseException | None] = asyncio.Queue()
+                       ) -> AsyncIterator[CallReport]:
+        """The call's reports, or ``_Stalled`` when its replica stopped making progress."""
+        wires: asyncio.Queue[CallReport | BaseException | None] = asyncio.Queue()
 
         async def pump() -> None:
             try:
@@ -267,26 +313,11 @@ class Relay:
             "fairserve.replica.id": running.replica_id or ""})
         span.end()
 
-    async def _relay(self, running: Running, wire: ReplicaChunk, want_logprobs: bool) -> bool:
-        """Append one chunk; True when it was the last open choice's final one and the request
-        is completed."""
-        if wire.is_empty:
-            return False  # the replica saying it has the call
-        ids = list(wire.token_ids)
-        finish, index = wire.finish_reason, wire.index
-        logprobs = _logprobs(self.tokenizer, wire.logprobs) if want_logprobs else None
-        chunk = response_events.ChunkData(wire.text, len(ids), logprobs, index, finish)
-        reached = running.progress.add(chunk, ids)
-        position = reached if ids else 0  # a chunk without tokens is not fenced
-        data = response_events.chunk_data(wire.text, ids, position, logprobs, index, finish)
-        event = Event(response_events.CHUNK, data, index, position)
-        status = await _riding_out_redis(
-            lambda: self.appends.append(running.grant.lease, [event]))
-        if status.is_cancel_requested:
-            running.is_cancel_requested = True
-        if finish is None:
-            return False
-        running.finals[index] = wire
+    async def _finished(self, running: Running, report: CallReport) -> bool:
+        """A choice ended (its last chunk is in the stream); True when it was the last open
+        one and the request is completed."""
+        running.finals[report.index] = report
+        running.progress.finish(report.index, report.finish_reason, report.position)
         if not running.progress.is_finished:
             return False
         await self._complete(running)
@@ -355,11 +386,11 @@ async def _riding_out_redis(write: Callable[[], Awaitable[T]]) -> T:
             await asyncio.sleep(REDIS_RETRY_S)
 
 
-async def _all_events(streams: ResponseStreams, grant: Grant) -> AsyncIterator[StreamEvent]:
+async def _all_events(streams: ResponseStreams, grant: Grant) -> list[StreamEvent]:
     """The events a request's stream holds now (no waiting for more)."""
     raw: Any = await streams.client.xrange(keys.stream(grant.tenant_id, grant.request_id))
-    for event_id, fields in raw:
-        yield StreamEvent(event_id.decode(), fields[b"type"].decode(), fields[b"data"].decode())
+    return [StreamEvent(event_id.decode(), fields[b"type"].decode(), fields[b"data"].decode())
+            for event_id, fields in raw]
 
 
 def end_span(running: Running, outcome: str, is_error: bool = False) -> None:
@@ -390,12 +421,3 @@ def _merged_timings(timings: list[dict[str, Any]]) -> dict[str, Any]:
     for name in ("num_prefill_chunks", "num_preemptions"):
         merged[name] = sum(int(t.get(name, 0)) for t in timings)
     return merged
-
-
-def _logprobs(tokenizer: PromptTokenizer, raw: tuple[TokenLogprobWire, ...] | None
-              ) -> list[Any] | None:
-    """A chunk's logprobs ``((id, logprob, ((id, logprob), ...)), ...)`` with token texts."""
-    if raw is None:
-        return None
-    return [[tokenizer.piece(tid), lp, [[tokenizer.piece(t), p] for t, p in top]]
-            for tid, lp, top in raw]

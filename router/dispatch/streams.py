@@ -44,27 +44,30 @@ class ResponseStreams:
         self.scripts = scripts
         self.client = scripts.client
 
-    async def append(self, lease: Lease, events: list[Event]) -> LeaseStatus:
-        """Append events; returns whether a cancel was requested. ``deadline_ms`` of the status
-        is 0: appending does not renew the lease. An event with a position at or below what its
-        choice has in the stream already is dropped (written once, whoever writes it again)."""
-        (result,) = await self.append_many([(lease, events)])
+    async def append(self, lease: Lease, events: list[Event], writer: str = "") -> LeaseStatus:
+        """Append events as ``writer`` (the call the lease holder named, ``name_writer``; ""
+        for the holder itself); returns whether a cancel was requested. ``deadline_ms`` of the
+        status is 0: appending does not renew the lease. An event with a position at or below
+        what its choice has in the stream already is dropped (written once, whoever writes it
+        again)."""
+        (result,) = await self.append_many([(lease, writer, events)])
         if isinstance(result, LeaseLostError):
             raise result
         return result
 
-    async def append_many(self, entries: list[tuple[Lease, list[Event]]]
+    async def append_many(self, entries: list[tuple[Lease, str, list[Event]]]
                           ) -> list[LeaseStatus | LeaseLostError]:
-        """Appends for several requests in one script call; each entry's status, or the
-        ``LeaseLostError`` of an entry whose lease is gone (the others are still written)."""
+        """Appends for several requests in one script call (lease, writer, events); each
+        entry's status, or the ``LeaseLostError`` of an entry whose lease is gone or whose
+        writer is not the named one (the others are still written)."""
         args: list[str] = []
-        for lease, events in entries:
+        for lease, writer, events in entries:
             args += [keys.check_tenant_id(lease.tenant_id), keys.check_request_id(lease.request_id),
-                     lease.holder, str(lease.attempt), str(len(events))]
+                     lease.holder, str(lease.attempt), writer, str(len(events))]
             args += [part for event in events for part in event.parts()]
         replies = await self.scripts.run(Script.APPEND, len(entries), *args)
         results: list[LeaseStatus | LeaseLostError] = []
-        for (lease, _), reply in zip(entries, replies, strict=True):
+        for (lease, _, _), reply in zip(entries, replies, strict=True):
             if reply[0] == b"stale":
                 results.append(LeaseLostError(
                     f"lease on {lease.request_id!r} (attempt {lease.attempt}) lost: "
@@ -72,6 +75,17 @@ class ResponseStreams:
             else:
                 results.append(LeaseStatus(0, bool(int(reply[2]))))
         return results
+
+    async def name_writer(self, lease: Lease, writer: str) -> LeaseStatus:
+        """From now on only ``writer`` may append (``append.lua``; "": the holder itself, no
+        call). Raises ``LeaseLostError`` when the lease is gone."""
+        reply = await self.scripts.run(
+            Script.WRITER, keys.check_tenant_id(lease.tenant_id),
+            keys.check_request_id(lease.request_id), lease.holder, str(lease.attempt), writer)
+        if reply[0] == b"stale":
+            raise LeaseLostError(f"lease on {lease.request_id!r} (attempt {lease.attempt}) lost: "
+                                 f"the request is {reply[1].decode()}", param="request_id")
+        return LeaseStatus(0, bool(int(reply[1])))
 
 
     async def read(
@@ -117,13 +131,13 @@ class AppendBatcher:
 
     def __init__(self, streams: ResponseStreams) -> None:
         self.streams = streams
-        self._pending: list[tuple[Lease, list[Event], asyncio.Future[LeaseStatus]]] = []
+        self._pending: list[tuple[Lease, str, list[Event], asyncio.Future[LeaseStatus]]] = []
         self._is_flushing = False
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def append(self, lease: Lease, events: list[Event]) -> LeaseStatus:
+    async def append(self, lease: Lease, events: list[Event], writer: str = "") -> LeaseStatus:
         future: asyncio.Future[LeaseStatus] = asyncio.get_running_loop().create_future()
-        self._pending.append((lease, events, future))
+        self._pending.append((lease, writer, events, future))
         if not self._is_flushing:
             self._is_flushing = True
             asyncio.get_running_loop().call_soon(self._flush_soon)
@@ -139,15 +153,16 @@ class AppendBatcher:
             while self._pending:
                 batch, self._pending = self._pending, []
                 try:
-                    results = await self.streams.append_many([(lease, events) for lease, events, _ in batch])
+                    results = await self.streams.append_many(
+                        [(lease, writer, events) for lease, writer, events, _ in batch])
                 except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
-                    for _, _, future in batch:
+                    for *_, future in batch:
                         if not future.done():
                             future.set_exception(exc)
                     if isinstance(exc, asyncio.CancelledError):
                         raise
                     continue
-                for (_, _, future), result in zip(batch, results, strict=True):
+                for (*_, future), result in zip(batch, results, strict=True):
                     if future.done():
                         continue
                     if isinstance(result, LeaseLostError):

@@ -32,6 +32,7 @@ class Script(enum.StrEnum):
     REAP = "reap"
     CANCEL = "cancel"
     APPEND = "append"
+    WRITER = "writer"
     TENANT_PUT = "tenant_put"
     KEY_CREATE = "key_create"
     KEY_REVOKE = "key_revoke"

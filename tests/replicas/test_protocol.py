@@ -1,5 +1,5 @@
-"""The replica chunk's one codec: every kind of chunk comes back equal after the round trip
-Ray gives it (plain sequences, tuples returned as lists), and a token chunk stays short."""
+"""The replica report's one codec: every kind of report comes back equal after the round trip
+Ray gives it (plain sequences, tuples returned as lists), and says what it is."""
 
 from __future__ import annotations
 
@@ -7,24 +7,26 @@ import json
 
 import pytest
 
-from replicas.protocol import ChunkTimings, ChunkUsage, ReplicaChunk
+from replicas.protocol import CallReport, ChunkTimings, ChunkUsage, Halt
 
-CHUNKS = [
-    ReplicaChunk((1, 2), "ab", index=1),
-    ReplicaChunk((), "", replica_id="r1"),  # the replica saying it has the call
-    ReplicaChunk((7,), "x", logprobs=((7, -0.25, ((7, -0.25), (9, -2.0))),)),
-    ReplicaChunk((3,), "c", "length", 0, None, ChunkUsage(5, 6, 7),
-                 ChunkTimings(1.0, None, 2.0, 3.0, 1, 0), "r1"),
+REPORTS = [
+    CallReport("r1"),  # the replica saying it has the call
+    CallReport(),  # alive
+    CallReport("r1", 2, "length", 9, ChunkUsage(5, 6, 7),
+               ChunkTimings(1.0, 1.5, 2.0, 3.0, 2, 1)),
+    CallReport("r1", 0, "stop", 3, None, ChunkTimings(1.0, None, None, 3.0)),
+    CallReport(halted=Halt.LEASE_LOST),
 ]
 
 
-@pytest.mark.parametrize("chunk", CHUNKS)
-def test_a_chunk_survives_the_round_trip(chunk: ReplicaChunk) -> None:
-    wire = json.loads(json.dumps(chunk.encode()))  # lists where tuples went, as msgpack does
-    assert ReplicaChunk.decode(wire) == chunk
+@pytest.mark.parametrize("report", REPORTS)
+def test_a_report_survives_the_round_trip(report: CallReport) -> None:
+    wire = json.loads(json.dumps(report.encode()))  # tuples come back as lists, as over Ray
+    assert CallReport.decode(wire) == report
 
 
-def test_a_token_chunk_is_three_plain_fields() -> None:
-    assert ReplicaChunk((5,), "hi", index=2).encode() == ((5,), "hi", 2)
-    assert ReplicaChunk((), "", replica_id="r").is_empty
-    assert not ReplicaChunk((), "", "stop").is_empty
+def test_a_report_says_what_it_is() -> None:
+    assert CallReport().is_heartbeat
+    assert not CallReport("r1").is_heartbeat
+    assert not CallReport(None, 0, "stop", 1).is_heartbeat
+    assert not CallReport(halted=Halt.CANCELLED).is_heartbeat

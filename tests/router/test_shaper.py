@@ -20,7 +20,7 @@ def test_fast_chunks_equal_the_general_ones(is_chat: bool, include_usage: bool,
                                             num_choices: int) -> None:
     shape = Shape('req-"x"', is_chat, "Smol\u00e9/LM", 1_700_000_000, 12, num_choices,
                   include_usage)
-    fast, general = Shaper(shape), Shaper(shape)
+    fast, general = Shaper(shape, str), Shaper(shape, str)
     assert fast._is_plain
     for step, text in enumerate(TEXTS):
         for index in range(num_choices):
@@ -40,9 +40,13 @@ def test_fast_chunks_equal_the_general_ones(is_chat: bool, include_usage: bool,
 
 
 def test_logprob_offsets_count_the_text_sent_before() -> None:
-    shaper = Shaper(Shape("r", False, "m", 1, 3, wants_logprobs=True))
-    shaper.delta_sse(ChunkData("ab", 1, [["ab", -0.5, []]]), "1-0")
-    second = shaper.delta_sse(ChunkData("cde", 1, [["cde", -0.1, [["cde", -0.1]]]]), "2-0")
+    pieces = {7: "ab", 9: "cde", 4: "x"}
+    shaper = Shaper(Shape("r", False, "m", 1, 3, wants_logprobs=True), pieces.__getitem__)
+    shaper.delta_sse(ChunkData("ab", 1, [[7, -0.5, []]]), "1-0")
+    second = shaper.delta_sse(ChunkData("cde", 1, [[9, -0.1, [[9, -0.1], [4, -3.0]]]]), "2-0")
     body = json.loads(second.split("data: ", 1)[1])
-    assert body["choices"][0]["logprobs"]["text_offset"] == [2]
+    logprobs = body["choices"][0]["logprobs"]
+    assert logprobs["text_offset"] == [2]
+    assert logprobs["tokens"] == ["cde"]
+    assert logprobs["top_logprobs"] == [{"cde": -0.1, "x": -3.0}]
     assert body["choices"][0]["text"] == "cde"

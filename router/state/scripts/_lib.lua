@@ -192,7 +192,8 @@ local function end_unserved(t, rid, tenant, r, new_state, reason, now)
   stat(t, new_state)
 end
 
-local REQUEST_FIELDS = {'state', 'holder', 'deliveries', 'cost', 'reserved', 'day', 'cancel'}
+local REQUEST_FIELDS = {'state', 'holder', 'deliveries', 'cost', 'reserved', 'day', 'cancel',
+                        'writer'}
 
 local function load_request(t, rid)
   local v = redis.call('HMGET', key('request', t, rid), unpack(REQUEST_FIELDS))

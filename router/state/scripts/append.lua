@@ -2,24 +2,30 @@
 -- dispatcher whose lease was taken over cannot write), and each token chunk only once: a chunk
 -- carries the position it brings its choice to (the choice's output tokens so far), and one at
 -- or below the position already written is dropped (a migrated or revived writer that sends
--- tokens the client already has writes nothing). One call appends for a batch of requests
--- (the chunks one engine step produced for all of them); each entry is checked on its own.
+-- tokens the client already has writes nothing). The writer is fenced too: the lease holder
+-- names the one call that may write (writer.lua; a model replica appends its call's chunks
+-- itself), so a replica it gave up on (frozen, then thawed) cannot write after the one that
+-- took over. One call appends for a batch of requests (the chunks one engine step produced
+-- for all of them); each entry is checked on its own.
 -- KEYS: none passed. Reads fs:{t}:req:<id>; writes fs:{t}:stream:<id>, fs:{t}:req:<id>
 --   (field pos:<choice>).
--- ARGV: 2 number of entries n, then n groups: tenant, request id, holder id, attempt, number
---   of events m, then m groups of (event type, data, choice, position; position 0: unfenced).
+-- ARGV: 2 number of entries n, then n groups: tenant, request id, holder id, attempt, writer
+--   ('' when the holder writes itself and named no writer), number of events m, then m groups of (event type, data, choice, position; position 0: unfenced).
 -- Returns a list of n replies, in order: {"ok", last event id, cancel requested 0/1, events
 --   dropped as already written} or {"stale", state or "missing"}.
 local n = tonumber(ARGV[2])
 local replies = {}
 local b = 3
 for e = 1, n do
-  local t, rid, holder, attempt = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3]
-  local m = tonumber(ARGV[b + 4])
-  local first, after = b + 5, b + 5 + 4 * m
+  local t, rid, holder, attempt, writer = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3],
+    ARGV[b + 4]
+  local m = tonumber(ARGV[b + 5])
+  local first, after = b + 6, b + 6 + 4 * m
   local r = load_request(t, rid)
   if not lease_ok(r, holder, attempt) then
     replies[e] = {'stale', r and r.state or 'missing'}
+  elseif (r.writer or '') ~= writer then
+    replies[e] = {'stale', 'another writer'}
   else
     local sk, rk = key('stream', t, rid), key('request', t, rid)
     local last, dropped = '', 0

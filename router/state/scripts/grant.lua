@@ -61,7 +61,7 @@ local function grant_one(t, class, start, rid)
   local attempt = (tonumber(r[8]) or 0) + 1
   seq = seq + 1
   redis.call('HSET', rk, 'state', 'leased', 'holder', holder, 'lease_deadline', deadline_s,
-             'granted_ms', now_s, 'grant_seq', seq, 'deliveries', attempt)
+             'granted_ms', now_s, 'grant_seq', seq, 'deliveries', attempt, 'writer', '')
   redis.call('ZADD', K.leases, deadline_s, t .. ' ' .. rid)
   count(counts, t, 'granted')
   grants[#grants + 1] = {t, rid, attempt, deadline, r[3], r[4], r[5], r[6], r[7], seq,

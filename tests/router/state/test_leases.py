@@ -233,3 +233,37 @@ def test_a_token_chunk_is_written_once_whoever_writes_it_again(redis_url) -> Non
             assert [e.data for e in events[:-1]] == ["a", "bc", "x", "d", "unfenced"]
 
     run(scenario())
+
+
+def test_only_the_named_writer_appends_and_a_new_grant_names_none(redis_url) -> None:
+    """The lease holder names the call that may write (a replica appends itself); the call it
+    gave up on is refused even with the right lease, a cancel shows in the naming, and a
+    takeover starts with no writer named."""
+    async def scenario() -> None:
+        clock = ManualClock()
+        async with harness(redis_url, clock, SETTINGS) as h:
+            await add_tenants(h, Tenant(id="acme"))
+            await h.queues.admit(make_request("acme", "r"))
+            (g,) = (await h.queues.grant("d", 1)).grants
+            assert not (await h.streams.name_writer(g.lease, "1.0")).is_cancel_requested
+            await h.streams.append(g.lease, [Event("chunk", "a", 0, 1)], "1.0")
+            for wrong in ("", "1.1"):
+                with pytest.raises(LeaseLostError, match="another writer"):
+                    await h.streams.append(g.lease, [Event("chunk", "b", 0, 2)], wrong)
+            await h.streams.name_writer(g.lease, "")  # the holder fences the call it gave up on
+            with pytest.raises(LeaseLostError, match="another writer"):
+                await h.streams.append(g.lease, [Event("chunk", "b", 0, 2)], "1.0")
+            await h.streams.name_writer(g.lease, "1.1")
+            await h.streams.append(g.lease, [Event("chunk", "b", 0, 2)], "1.1")
+            assert await h.queues.cancel("acme", "r") == CancelOutcome.FLAGGED
+            assert (await h.streams.name_writer(g.lease, "1.2")).is_cancel_requested
+            clock.advance(SETTINGS.lease_ms + 1)
+            assert (await h.queues.reap()).num_requeued == 1
+            with pytest.raises(LeaseLostError):  # the old lease names no one any more
+                await h.streams.name_writer(g.lease, "1.3")
+            (again,) = (await h.queues.grant("e", 1)).grants
+            await h.streams.append(again.lease, [Event("chunk", "c", 0, 3)])  # none named yet
+            record = await h.queues.get("acme", "r")
+            assert record.state == RequestState.LEASED
+
+    run(scenario())
