@@ -29,6 +29,7 @@ from router.state import keys
 logger = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 1_000
+TICK_S = 1.0  # a waiter that heard nothing this long checks on its stream
 READ_BATCH = 512
 UNBLOCK_RETRY_S = 0.001
 UNBLOCK_RETRIES = 20
@@ -44,13 +45,17 @@ def _id_key(event_id: str) -> tuple[int, int]:
 @dataclass(eq=False)
 class _Waiter:
     last: str
-    queue: asyncio.Queue[StreamEvent] = field(default_factory=asyncio.Queue)
+    # events, and None: a tick, when nothing came for a while (``StreamMux._tick``)
+    queue: asyncio.Queue[StreamEvent | None] = field(default_factory=asyncio.Queue)
+    heard_s: float = field(default_factory=time.monotonic)  # its last event, or tick
 
     def take(self) -> list[StreamEvent]:
-        """What is queued now, without waiting."""
+        """The events queued now, without waiting (ticks among them are dropped)."""
         taken = []
         while not self.queue.empty():
-            taken.append(self.queue.get_nowait())
+            event = self.queue.get_nowait()
+            if event is not None:
+                taken.append(event)
         return taken
 
 
@@ -63,16 +68,20 @@ class StreamMux:
         self._num_reads = 0  # XREAD calls issued so far
         self._is_blocked = False
         self._task: asyncio.Task[None] | None = None
+        self._ticker: asyncio.Task[None] | None = None
         self._is_stopping = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="stream mux")
+        self._ticker = asyncio.create_task(self._tick(), name="stream mux ticks")
 
     async def stop(self) -> None:
         # redis-py may swallow a cancellation that lands in a blocked read, so the loop also
         # checks a flag, and is woken up to see it
         self._is_stopping = True
         self._changed.set()
+        if self._ticker is not None:
+            self._ticker.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
@@ -103,13 +112,15 @@ class StreamMux:
             idle_since = time.monotonic()
             unreachable_since: float | None = None
             while True:
-                try:
-                    batch = waiter.take() or [
-                        await asyncio.wait_for(waiter.queue.get(), READ_BLOCK_MS / 1000)]
-                except TimeoutError:
+                # NOTE: no timer per wait (asyncio.wait_for made a task and a timer for every
+                # event of every stream); a waiter that heard nothing for a while gets a tick
+                batch = waiter.take()
+                if not batch:
+                    event = await waiter.queue.get()
+                    batch = [event] if event is not None else []
+                if not batch:  # a tick
                     if idle_timeout_s is not None and time.monotonic() - idle_since > idle_timeout_s:
-                        raise TimeoutError(f"no event on {request_id!r} for {idle_timeout_s} s"
-                                           ) from None
+                        raise TimeoutError(f"no event on {request_id!r} for {idle_timeout_s} s")
                     try:
                         is_gone = await self._is_gone(request_key, stream_key)
                     except (RedisError, OSError) as exc:  # a restart: wait for it, a while
@@ -155,6 +166,18 @@ class StreamMux:
                 return
             # the read was sent but has not reached the server yet: try again in a moment
             await asyncio.sleep(UNBLOCK_RETRY_S)
+
+    async def _tick(self) -> None:
+        """Every ``TICK_S``, a tick to each waiter that heard nothing for that long, so it
+        checks its stream is still there (and its idle timeout) without a timer per wait."""
+        while not self._is_stopping:
+            await asyncio.sleep(TICK_S)
+            now = time.monotonic()
+            for waiters in self._waiters.values():
+                for waiter in waiters:
+                    if now - waiter.heard_s >= TICK_S and waiter.queue.empty():
+                        waiter.heard_s = now
+                        waiter.queue.put_nowait(None)
 
     async def _run(self) -> None:
         while not self._is_stopping:
@@ -205,3 +228,4 @@ class StreamMux:
                 waiter.queue.put_nowait(StreamEvent(event_id, fields[b"type"].decode(),
                                                     fields[b"data"].decode()))
                 waiter.last = event_id
+                waiter.heard_s = time.monotonic()
