@@ -71,6 +71,58 @@ class CallScheduling:
 
 
 @dataclass(frozen=True, slots=True)
+class CallOutputFormat:
+    """A grammar the output must follow (``response_format``): ``json_object``, or
+    ``json_schema`` with the schema as JSON text (``replicas.engine.sampling_params``'s
+    ``StructuredOutput``)."""
+
+    kind: str
+    schema: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CallSampling:
+    """How to sample a call's output: the engine's ``SamplingParams`` fields and defaults (the
+    replica checks them again there). The router stores them with the request as JSON, only
+    the fields that differ from these defaults (``router.api.sampling.sampling_wire``), and
+    reads them back with ``from_wire``."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_output: CallOutputFormat | None = None
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> CallSampling:
+        """From the stored JSON; a field this struct does not have is a ``TypeError``."""
+        args = dict(wire)
+        for name in ("stop", "stop_token_ids"):
+            if name in args:
+                args[name] = tuple(args[name])
+        if "logit_bias" in args:
+            args["logit_bias"] = tuple((int(t), float(b)) for t, b in args["logit_bias"])
+        if args.get("structured_output") is not None:
+            args["structured_output"] = CallOutputFormat(**args["structured_output"])
+        return cls(**args)
+
+
+@dataclass(frozen=True, slots=True)
 class CallStream:
     """Where a call's output goes: its request's response stream in Redis, which the replica
     appends to itself, once per engine step for all its calls (``router/state/scripts/
@@ -86,13 +138,12 @@ class CallStream:
 
 @dataclass(frozen=True, slots=True)
 class ReplicaCall:
-    """One request sent to a model replica. ``sampling`` is the router's sampling JSON as it
-    was admitted (``router.api.sampling.sampling_wire``; the replica checks it again as
-    ``SamplingParams``); ``trace`` the W3C trace context of the dispatch span."""
+    """One request sent to a model replica; ``trace`` is the W3C trace context of the dispatch
+    span."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    sampling: dict[str, Any]
+    sampling: CallSampling
     stream: CallStream
     scheduling: CallScheduling | None = None
     resume: tuple[CallResume, ...] = ()

@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -40,6 +40,7 @@ from replicas.protocol import (
     PUBLISHED_BLOCKS,
     PUBLISHED_VERSION,
     CallReport,
+    CallSampling,
     CallScheduling,
     ChunkUsage,
     Halt,
@@ -96,7 +97,7 @@ class ModelReplica:
         each ``encode``d (the router decodes them)."""
         request = GenerateRequest(
             request_id=call.request_id,
-            sampling=SamplingParams(**_sampling_args(call.sampling)),
+            sampling=_sampling_params(call.sampling),
             prompt_token_ids=call.prompt_token_ids,
             arrival_time_s=time.time(),
             resume=tuple(ChoiceResume(r.index, r.token_ids, r.num_text_chars_sent,
@@ -221,18 +222,13 @@ class ModelReplica:
         self.tracing.shutdown()  # flushes the spans not exported yet
 
 
-def _sampling_args(raw: dict[str, Any]) -> dict[str, Any]:
-    """The router's JSON sampling fields as ``SamplingParams`` arguments."""
-    args = dict(raw)
-    for name in ("stop", "stop_token_ids"):
-        if name in args:
-            args[name] = tuple(args[name])
-    if "logit_bias" in args:
-        args["logit_bias"] = tuple((int(t), float(b)) for t, b in args["logit_bias"])
-    if args.get("structured_output") is not None:
-        spec = args["structured_output"]
-        args["structured_output"] = StructuredOutput(GuideKind(spec["kind"]), spec["schema"])
-    return args
+def _sampling_params(sampling: CallSampling) -> SamplingParams:
+    """The call's sampling as the engine's parameters (which check them again)."""
+    form = sampling.structured_output
+    args = {f.name: getattr(sampling, f.name) for f in fields(sampling)}
+    args["structured_output"] = None if form is None else StructuredOutput(GuideKind(form.kind),
+                                                                           form.schema)
+    return SamplingParams(**args)
 
 
 def _scheduling(raw: CallScheduling | None) -> SchedulingHints | None:

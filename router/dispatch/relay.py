@@ -49,7 +49,14 @@ import redis.asyncio as aioredis
 from opentelemetry.trace import Span, Status, StatusCode
 from redis.exceptions import RedisError
 
-from replicas.protocol import CallReport, CallScheduling, CallStream, Halt, ReplicaCall
+from replicas.protocol import (
+    CallReport,
+    CallSampling,
+    CallScheduling,
+    CallStream,
+    Halt,
+    ReplicaCall,
+)
 from router.dispatch import response_events
 from router.dispatch.progress import Progress
 from router.dispatch.streams import ResponseStreams
@@ -170,7 +177,8 @@ class Relay:
             running.is_cancel_requested = True
         call = ReplicaCall(
             request_id=f"{grant.request_id}.{writer}",
-            prompt_token_ids=tuple(body["prompt_token_ids"]), sampling=body["sampling"],
+            prompt_token_ids=tuple(body["prompt_token_ids"]),
+            sampling=CallSampling.from_wire(body["sampling"]),
             stream=CallStream(lease.tenant_id, lease.request_id, lease.holder, lease.attempt,
                               writer),
             # the engine's fair scheduler (replicas/engine/scheduler.py): whose tokens these are

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from replicas.protocol import CallReport, ChunkTimings, ChunkUsage, Halt
+from replicas.protocol import CallReport, CallSampling, ChunkTimings, ChunkUsage, Halt
 
 REPORTS = [
     CallReport("r1"),  # the replica saying it has the call
@@ -30,3 +30,42 @@ def test_a_report_says_what_it_is() -> None:
     assert not CallReport("r1").is_heartbeat
     assert not CallReport(None, 0, "stop", 1).is_heartbeat
     assert not CallReport(halted=Halt.CANCELLED).is_heartbeat
+
+
+def test_call_sampling_has_the_engine_s_fields_and_defaults() -> None:
+    """The router's typed sampling and the engine's parameters stay one set of fields."""
+    from dataclasses import MISSING, fields
+
+    from replicas.engine.sampling_params import SamplingParams
+
+    def defaults(cls: type) -> dict[str, object]:
+        return {f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc,operator]
+                for f in fields(cls)}
+
+    assert defaults(CallSampling) == defaults(SamplingParams)
+
+
+def test_the_router_s_sampling_json_reads_back_typed() -> None:
+    from replicas.server import _sampling_params
+    from router.api.openai_models import ChatCompletionRequest
+    from router.api.sampling import sampling_wire
+
+    request = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
+        "temperature": 0.5, "top_p": 0.9, "top_k": 4, "min_p": 0.1, "seed": 3, "n": 2,
+        "stop": ["x", "yz"], "stop_token_ids": [5], "include_stop_str_in_output": True,
+        "ignore_eos": True, "logprobs": True, "top_logprobs": 2, "skip_special_tokens": False,
+        "repetition_penalty": 1.1, "presence_penalty": 0.2, "frequency_penalty": 0.3,
+        "logit_bias": {"17": -5}, "min_tokens": 1,
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "s", "schema": {"type": "object"}}}})
+    wire = json.loads(json.dumps(sampling_wire(request, 9)))  # as stored in Redis
+    sampling = CallSampling.from_wire(wire)
+    assert sampling.stop == ("x", "yz") and sampling.logit_bias == ((17, -5.0),)
+    assert sampling.structured_output is not None
+    assert sampling.structured_output.kind == "json_schema"
+    params = _sampling_params(sampling)
+    assert (params.n, params.top_k, params.seed, params.max_tokens) == (2, 4, 3, 9)
+    assert params.structured_output is not None and params.top_logprobs == 2
+    with pytest.raises(TypeError):
+        CallSampling.from_wire({"max_tokens": 4, "best_of": 2})

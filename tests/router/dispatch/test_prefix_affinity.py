@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from replicas.protocol import CallStream, ReplicaCall, hash_block_tokens
+from replicas.protocol import CallSampling, CallStream, ReplicaCall, hash_block_tokens
 from router.dispatch.prefix_affinity import (
     OwnLoads,
     PrefixAffinityRouter,
@@ -124,7 +124,7 @@ def test_a_burst_with_no_known_loads_still_respects_the_imbalance() -> None:
 def test_the_router_hashes_the_prompt_of_the_replica_call_it_routes() -> None:
     """What Ray Serve hands the request router is the dispatcher's ``ReplicaCall``: its prompt's
     blocks are what the router looks for (a call it cannot read would route blind)."""
-    call = ReplicaCall("r.1.0", tuple(range(10)), {"max_tokens": 4},
+    call = ReplicaCall("r.1.0", tuple(range(10)), CallSampling(max_tokens=4),
                        CallStream("t", "r", "router-1", 1, "1.0"))
     pending = SimpleNamespace(args=[call])
     router = SimpleNamespace(block_size=BS)
