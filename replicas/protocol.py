@@ -18,9 +18,10 @@ other, light enough for a router process (no torch, no engine).
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 # ---- sampling limits (names and ranges are vLLM's and OpenAI's) ----
 MAX_STOP_STRINGS = 16
@@ -70,22 +71,28 @@ class CallScheduling:
     weight: float = 1.0
 
 
-@dataclass(frozen=True, slots=True)
-class CallOutputFormat:
-    """A grammar the output must follow (``response_format``): ``json_object``, or
-    ``json_schema`` with the schema as JSON text (``replicas.engine.sampling_params``'s
-    ``StructuredOutput``)."""
+class GuideKind(enum.StrEnum):
+    """What a structured output is constrained to (OpenAI's ``response_format`` types)."""
 
-    kind: str
+    JSON_OBJECT = "json_object"  # any JSON object
+    JSON_SCHEMA = "json_schema"  # JSON valid under ``StructuredOutput.schema``
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A grammar the output must follow; ``schema`` is the JSON Schema as JSON text."""
+
+    kind: GuideKind
     schema: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class CallSampling:
-    """How to sample a call's output: the engine's ``SamplingParams`` fields and defaults (the
-    replica checks them again there). The router stores them with the request as JSON, only
-    the fields that differ from these defaults (``router.api.sampling.sampling_wire``), and
-    reads them back with ``from_wire``."""
+    """How to sample a call's output: the fields and defaults of the engine's
+    ``SamplingParams``, which is this struct with its checks
+    (``replicas/engine/sampling_params.py``: the replica checks a call again there). The
+    router stores them with the request as JSON, only the fields that differ from these
+    defaults (``router.api.sampling.sampling_wire``), and reads them back with ``from_wire``."""
 
     max_tokens: int = 16
     min_tokens: int = 0
@@ -106,10 +113,10 @@ class CallSampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
-    structured_output: CallOutputFormat | None = None
+    structured_output: StructuredOutput | None = None
 
     @classmethod
-    def from_wire(cls, wire: dict[str, Any]) -> CallSampling:
+    def from_wire(cls, wire: dict[str, Any]) -> Self:
         """From the stored JSON; a field this struct does not have is a ``TypeError``."""
         args = dict(wire)
         for name in ("stop", "stop_token_ids"):
@@ -117,8 +124,10 @@ class CallSampling:
                 args[name] = tuple(args[name])
         if "logit_bias" in args:
             args["logit_bias"] = tuple((int(t), float(b)) for t, b in args["logit_bias"])
-        if args.get("structured_output") is not None:
-            args["structured_output"] = CallOutputFormat(**args["structured_output"])
+        form = args.get("structured_output")
+        if form is not None:
+            args["structured_output"] = StructuredOutput(GuideKind(form["kind"]),
+                                                         form.get("schema", ""))
         return cls(**args)
 
 

@@ -34,7 +34,7 @@ from replicas.engine.interface import (
     GenerateRequest,
     SchedulingHints,
 )
-from replicas.engine.sampling_params import GuideKind, SamplingParams, StructuredOutput
+from replicas.engine.sampling_params import SamplingParams
 from replicas.load_report import LoadReporter
 from replicas.protocol import (
     PUBLISHED_BLOCKS,
@@ -223,12 +223,8 @@ class ModelReplica:
 
 
 def _sampling_params(sampling: CallSampling) -> SamplingParams:
-    """The call's sampling as the engine's parameters (which check them again)."""
-    form = sampling.structured_output
-    args = {f.name: getattr(sampling, f.name) for f in fields(sampling)}
-    args["structured_output"] = None if form is None else StructuredOutput(GuideKind(form.kind),
-                                                                           form.schema)
-    return SamplingParams(**args)
+    """The call's sampling as the engine's parameters (the same fields, checked)."""
+    return SamplingParams(**{f.name: getattr(sampling, f.name) for f in fields(sampling)})
 
 
 def _scheduling(raw: CallScheduling | None) -> SchedulingHints | None:

@@ -6,11 +6,10 @@ vLLM accepts means the same here.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from replicas.engine.errors import InvalidRequestError
-from replicas.protocol import (  # the limits the router checks too
+from replicas.protocol import (  # the limits the router checks too; the fields
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_N,
@@ -19,6 +18,9 @@ from replicas.protocol import (  # the limits the router checks too
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
     MAX_TOP_LOGPROBS,
+    CallSampling,
+    GuideKind,
+    StructuredOutput,
 )
 
 __all__ = ["MAX_LOGIT_BIAS", "MAX_LOGIT_BIAS_ENTRIES", "MAX_N", "MAX_PRESENCE_FREQUENCY_PENALTY",
@@ -26,23 +28,8 @@ __all__ = ["MAX_LOGIT_BIAS", "MAX_LOGIT_BIAS_ENTRIES", "MAX_N", "MAX_PRESENCE_FR
            "GuideKind", "SamplingParams", "StructuredOutput"]
 
 
-class GuideKind(enum.StrEnum):
-    """What a structured output is constrained to (OpenAI's ``response_format`` types)."""
-
-    JSON_OBJECT = "json_object"  # any JSON object
-    JSON_SCHEMA = "json_schema"  # JSON valid under ``StructuredOutput.schema``
-
-
 @dataclass(frozen=True, slots=True)
-class StructuredOutput:
-    """A grammar the output must follow; ``schema`` is the JSON Schema as JSON text."""
-
-    kind: GuideKind
-    schema: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
+class SamplingParams(CallSampling):
     """How to pick tokens and when to stop.
 
     ``temperature == 0`` is greedy (``top_p``/``top_k``/``min_p`` are then ignored). ``top_k``
@@ -59,28 +46,10 @@ class SamplingParams:
     grammar, temperature, ``min_p`` (drop tokens under ``min_p`` times the top probability),
     top-k and top-p. ``n`` choices are ``n`` sequences on one prompt; a seeded request's choice
     ``i`` samples with ``seed + i`` (vLLM's rule).
-    """
 
-    max_tokens: int = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    n: int = 1
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    logprobs: bool = False
-    top_logprobs: int = 0
-    skip_special_tokens: bool = True
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    structured_output: StructuredOutput | None = None
+    The fields and defaults are the replica call's (``replicas.protocol.CallSampling``, what
+    the router sends); this class adds the checks.
+    """
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)

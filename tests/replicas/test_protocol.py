@@ -32,19 +32,6 @@ def test_a_report_says_what_it_is() -> None:
     assert not CallReport(halted=Halt.CANCELLED).is_heartbeat
 
 
-def test_call_sampling_has_the_engine_s_fields_and_defaults() -> None:
-    """The router's typed sampling and the engine's parameters stay one set of fields."""
-    from dataclasses import MISSING, fields
-
-    from replicas.engine.sampling_params import SamplingParams
-
-    def defaults(cls: type) -> dict[str, object]:
-        return {f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc,operator]
-                for f in fields(cls)}
-
-    assert defaults(CallSampling) == defaults(SamplingParams)
-
-
 def test_the_router_s_sampling_json_reads_back_typed() -> None:
     from replicas.server import _sampling_params
     from router.api.openai_models import ChatCompletionRequest
