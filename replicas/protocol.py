@@ -19,6 +19,7 @@ other, light enough for a router process (no torch, no engine).
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Self
@@ -36,6 +37,17 @@ MAX_N = 128  # OpenAI's limit; a deployment sets its own below it (router.api.ma
 # ---- prefix blocks ----
 # Stands in for the parent hash of a sequence's first block.
 ROOT_HASH = 0x5EED_F00D_CAFE_BEEF
+
+
+def cache_root(salt: str | None) -> int | None:
+    """The parent hash of a sequence's first block in the prefix-cache partition ``salt``
+    (vLLM's ``cache_salt``): sequences share cached blocks only within one partition, so one
+    tenant cannot learn from ``cached_tokens`` what another sent. None: the shared partition.
+    A digest of the salt, not ``hash()`` of it: a string's hash differs per process."""
+    if not salt:
+        return None
+    digest = hashlib.blake2b(salt.encode(), digest_size=8).digest()
+    return hash((ROOT_HASH, int.from_bytes(digest, "big")))
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -155,6 +167,7 @@ class ReplicaCall:
     sampling: CallSampling
     stream: CallStream
     scheduling: CallScheduling | None = None
+    cache_salt: str | None = None  # the prefix-cache partition (``cache_root``)
     resume: tuple[CallResume, ...] = ()
     trace: dict[str, str] | None = None
 

@@ -103,6 +103,7 @@ class ModelReplica:
             resume=tuple(ChoiceResume(r.index, r.token_ids, r.num_text_chars_sent,
                                       r.is_finished) for r in call.resume),
             scheduling=_scheduling(call.scheduling),
+            cache_salt=call.cache_salt,
         )
         # who has the request, at once: the dispatcher watches this replica's heartbeat
         yield CallReport(self.replica_id).encode()

@@ -8,7 +8,8 @@ NOTE: prefix caching by chained block hashes.
 
 A block holds the KV of ``block_size`` consecutive tokens. Once a block is FULL and its KV has
 been COMPUTED, it is registered under the hash of ``(parent_hash, its tokens)``, where
-``parent_hash`` is the hash of the block before it (or ``ROOT_HASH`` for the first block). The
+``parent_hash`` is the hash of the block before it (for the first block: the sequence's
+partition, ``seq.cache_root``, or ``ROOT_HASH`` in the shared one). The
 chain makes a block's hash stand for the whole prefix up to its end, so two sequences sharing
 a prompt prefix map the same blocks.
 
@@ -115,7 +116,8 @@ class BlockManager:
         assert seq.num_computed_tokens == 0, "allocate_prefix on a partly computed seq"
         if not self.enable_prefix_caching:
             return 0
-        hit_blocks, hit_hashes = self._find_cached_prefix(seq.token_ids, seq.num_prompt_tokens)
+        hit_blocks, hit_hashes = self._find_cached_prefix(seq.token_ids, seq.num_prompt_tokens,
+                                                          seq.cache_root)
         for block in hit_blocks:
             self._take_ref(block)
         seq.block_ids = [block.block_id for block in hit_blocks]
@@ -148,7 +150,7 @@ class BlockManager:
         num_full_blocks = num_computed_tokens // self.block_size
         assert num_full_blocks <= len(seq.block_ids), "computed tokens beyond the block table"
         for index in range(len(seq.block_hashes), num_full_blocks):
-            parent_hash = seq.block_hashes[index - 1] if index else None
+            parent_hash = seq.block_hashes[index - 1] if index else seq.cache_root
             token_ids = self._block_token_ids(seq.token_ids, index, seq.num_prompt_tokens)
             block_hash = hash_block_tokens(parent_hash, token_ids)
             seq.block_hashes.append(block_hash)
@@ -204,13 +206,13 @@ class BlockManager:
 
     # --- helpers ------------------------------------------------------------------------------
 
-    def _find_cached_prefix(self, token_ids: list[int],
-                            num_prompt_tokens: int) -> tuple[list[Block], list[int]]:
+    def _find_cached_prefix(self, token_ids: list[int], num_prompt_tokens: int,
+                            root: int | None = None) -> tuple[list[Block], list[int]]:
         # Full blocks within the first num_tokens - 1 tokens: one token is always computed.
         max_hit_blocks = (len(token_ids) - 1) // self.block_size
         hit_blocks: list[Block] = []
         hit_hashes: list[int] = []
-        parent_hash: int | None = None
+        parent_hash = root
         for index in range(max_hit_blocks):
             block_tokens = self._block_token_ids(token_ids, index, num_prompt_tokens)
             block_hash = hash_block_tokens(parent_hash, block_tokens)

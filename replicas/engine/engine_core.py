@@ -29,6 +29,7 @@ from replicas.engine.sampling_params import SamplingParams
 from replicas.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from replicas.engine.sequence import Sequence, SequenceStatus
 from replicas.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from replicas.protocol import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +195,8 @@ class EngineCore:
                 continue
             seq_id = request.request_id if sampling.n == 1 else f"{request.request_id}/{index}"
             seq = Sequence.from_prompt(seq_id, prepared.prompt_token_ids, _choice(sampling, index),
-                                       arrival_s=prepared.arrival_s)
+                                       arrival_s=prepared.arrival_s,
+                                       cache_root=cache_root(request.cache_salt))
             seq.guide = prepared.guides[index] if prepared.guides else None
             if request.scheduling is not None:
                 hints = request.scheduling

@@ -72,6 +72,9 @@ class GenerateRequest:
     arrival_time_s: float | None = None  # wall clock (time.time()); defaults to now
     resume: tuple[ChoiceResume, ...] = ()
     scheduling: SchedulingHints | None = None  # None: the engine's shared default key
+    # the prefix-cache partition (vLLM's cache_salt): requests share cached blocks only with
+    # requests of the same salt (``replicas.protocol.cache_root``); None: the shared one
+    cache_salt: str | None = None
 
     @property
     def num_open_choices(self) -> int:

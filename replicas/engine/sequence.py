@@ -40,6 +40,8 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     # Chained hashes of this sequence's full blocks, filled by the block manager as blocks fill.
     block_hashes: list[int] = field(default_factory=list)
+    # The parent hash of its first block: its prefix-cache partition (protocol.cache_root).
+    cache_root: int | None = None
     num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache, first schedule
     first_scheduled_s: float | None = None
     first_token_s: float | None = None

@@ -41,15 +41,23 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from replicas.protocol import PUBLISHED_BLOCKS, PUBLISHED_VERSION, ReplicaCall, hash_block_tokens
+from replicas.protocol import (
+    PUBLISHED_BLOCKS,
+    PUBLISHED_VERSION,
+    ReplicaCall,
+    cache_root,
+    hash_block_tokens,
+)
 
 logger = logging.getLogger(__name__)
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks of ``token_ids``: the i-th names the first i+1 blocks."""
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None
+                 ) -> list[int]:
+    """Chained hashes of the full blocks of ``token_ids`` in the prefix-cache partition
+    ``salt``: the i-th names the first i+1 blocks."""
     hashes: list[int] = []
-    parent: int | None = None
+    parent = cache_root(salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block_tokens(parent, tuple(token_ids[start:start + block_size]))
         hashes.append(parent)
@@ -216,7 +224,7 @@ class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRout
         call = pending_request.args[0]
         if not isinstance(call, ReplicaCall) or not call.prompt_token_ids:
             return []
-        return block_hashes(call.prompt_token_ids, self.block_size)
+        return block_hashes(call.prompt_token_ids, self.block_size, call.cache_salt)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None

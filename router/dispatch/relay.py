@@ -183,6 +183,8 @@ class Relay:
                               writer),
             # the engine's fair scheduler (replicas/engine/scheduler.py): whose tokens these are
             scheduling=CallScheduling(grant.tenant_id, grant.priority, grant.weight),
+            # each tenant its own prefix-cache partition: no one learns what another sent
+            cache_salt=grant.tenant_id,
             resume=running.progress.resume(),
             trace=carrier(running.span) if running.span is not None else None)
         running.replica_id = None

@@ -53,3 +53,23 @@ def test_follow_up_turns_land_where_their_history_is_cached(e2e: E2ECluster) -> 
             == total_cached
         hist = "fairserve_cached_prompt_tokens_per_request_count"
         assert _value(after, hist, tenant="affinity") == len(turns)
+
+
+def test_a_tenant_gets_no_cached_tokens_from_another_tenant_s_prompt(e2e: E2ECluster) -> None:
+    """Each tenant has its own prefix-cache partition: tenant B sending what tenant A sent
+    a moment ago gets 0 cached tokens (it cannot probe A's prompts 16 tokens at a time),
+    while A's own repeat is served from the cache."""
+    rng = random.Random(28)
+    prompt = " ".join(rng.choice(WORDS) for _ in range(120))
+    clients = {name: e2e.client(e2e.add_tenant(Tenant(id=name)))
+               for name in ("salted-a", "salted-b")}
+
+    def cached(name: str) -> int:
+        response = clients[name].completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                                    temperature=0.0)
+        return response.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("salted-a") == 0
+    time.sleep(PUBLISH_WAIT_S)  # the routers know where A's blocks are
+    assert cached("salted-b") == 0
+    assert cached("salted-a") >= BLOCK_SIZE * 4

@@ -277,7 +277,9 @@ class VLLMEngine:
 
     async def _pump(self, family: _Family, choice: _Choice) -> None:
         """Relay one vLLM request's outputs as chunks; hand any failure to the reader."""
-        prompt = {"prompt_token_ids": list(choice.plan.prompt_token_ids)}  # a TokensPrompt
+        prompt: dict[str, Any] = {"prompt_token_ids": list(choice.plan.prompt_token_ids)}
+        if family.request.cache_salt:  # vLLM partitions its prefix cache the same way
+            prompt["cache_salt"] = family.request.cache_salt  # a TokensPrompt
         streams = {0: choice.stream}
         try:
             llm = self._running_llm()

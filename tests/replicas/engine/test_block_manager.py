@@ -349,3 +349,25 @@ def test_cached_hashes_are_published_newest_first_with_a_version_that_tracks_cha
     v2 = bm.cache_version
     bm.reset_prefix_cache()
     assert bm.cached_hashes(10) == () and bm.cache_version > v2
+
+
+def test_a_prefix_is_shared_only_within_its_cache_partition() -> None:
+    """Sequences share cached blocks only under the same cache root (a tenant's salt): the
+    same prompt in another partition, or the shared one, misses (issue: one tenant must not
+    learn from ``cached_tokens`` what another sent)."""
+    from replicas.protocol import cache_root
+
+    bm = BlockManager(num_blocks=32, block_size=4)
+    tokens = list(range(100, 113))  # 3 full blocks and one token
+    first = make_sequence("a", token_ids=tokens)
+    first.cache_root = cache_root("tenant-a")
+    assert prefill(bm, first) == 0
+    same = make_sequence("a2", token_ids=tokens)
+    same.cache_root = cache_root("tenant-a")
+    assert prefill(bm, same) == 12
+    for other_root in (cache_root("tenant-b"), None):
+        other = make_sequence(f"b{other_root}", token_ids=tokens)
+        other.cache_root = other_root
+        assert prefill(bm, other) == 0
+    assert cache_root("tenant-a") == cache_root("tenant-a") != cache_root("tenant-b")
+    assert cache_root(None) is None and cache_root("") is None

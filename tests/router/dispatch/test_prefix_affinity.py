@@ -3,12 +3,19 @@ index of what was sent where, and the ranking that balances affinity against loa
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from types import SimpleNamespace
 
 import pytest
 
-from replicas.protocol import CallSampling, CallStream, ReplicaCall, hash_block_tokens
+from replicas.protocol import (
+    CallSampling,
+    CallStream,
+    ReplicaCall,
+    cache_root,
+    hash_block_tokens,
+)
 from router.dispatch.prefix_affinity import (
     OwnLoads,
     PrefixAffinityRouter,
@@ -130,3 +137,9 @@ def test_the_router_hashes_the_prompt_of_the_replica_call_it_routes() -> None:
     router = SimpleNamespace(block_size=BS)
     assert PrefixAffinityRouter._hashes(router, pending) == block_hashes(list(range(10)), BS)
     assert PrefixAffinityRouter._hashes(router, SimpleNamespace(args=[{"x": 1}])) == []
+    # a tenant's call is hashed in its own prefix-cache partition, as its replica caches it
+    salted = dataclasses.replace(call, cache_salt="acme")
+    hashes = PrefixAffinityRouter._hashes(router, SimpleNamespace(args=[salted]))
+    assert hashes == block_hashes(list(range(10)), BS, "acme")
+    assert hashes[0] == hash_block_tokens(cache_root("acme"), tuple(range(BS)))
+    assert not set(hashes) & set(block_hashes(list(range(10)), BS))
