@@ -181,6 +181,7 @@ local function end_unserved(t, rid, tenant, r, new_state, reason, now)
   settle_tokens(t, tenant, tonumber(r.reserved), r.day, 0)
   redis.call('HSET', rk, 'state', new_state, 'finished_ms', now, 'end_reason', reason,
              'holder', '', 'lease_deadline', '')
+  redis.call('HDEL', rk, 'body')  -- never to be served: its prompt is not needed any more
   redis.call('EXPIRE', rk, K.result_ttl_s)
   if new_state == 'dead' then
     local dk = key('dead', t)

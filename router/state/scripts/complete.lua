@@ -32,6 +32,7 @@ for i = 0, n - 1 do
     local rk = key('request', t, rid)
     redis.call('HSET', rk, 'state', outcome, 'finished_ms', now_s, 'finish_reason', ARGV[b + 7],
                'prompt_tokens_used', ARGV[b + 5], 'output_tokens_used', ARGV[b + 6])
+    redis.call('HDEL', rk, 'body')  -- served: its prompt and sampling are never read again
     redis.call('EXPIRE', rk, K.result_ttl_s)
     redis.call('ZREM', K.leases, t .. ' ' .. rid)
     end_stream(t, rid, 'end', ARGV[b + 8], K.stream_ended_ttl_s)

@@ -43,6 +43,7 @@ local function skip_malformed(t, rid, rk, state)
   count(counts, t, 'skipped_malformed')
   if state == 'queued' then
     redis.call('HSET', rk, 'state', 'dead', 'finished_ms', now, 'end_reason', 'malformed')
+    redis.call('HDEL', rk, 'body')
     redis.call('ZADD', key('dead', t), now, rid)
     end_stream(t, rid, 'error', cjson.encode({outcome = 'dead', reason = 'malformed'}),
                K.stream_ended_ttl_s)
