@@ -112,6 +112,16 @@ class LeaseLostError(RouterError):
     code = "lease_lost"
 
 
+class StreamIdleError(RouterError):
+    """A request's stream had no event for the stream idle timeout: this reader stops waiting.
+    The request itself goes on, detached: a client may resume it, or it is cancelled after
+    the detach grace period."""
+
+    status = 504
+    type = "server_error"
+    code = "stream_idle_timeout"
+
+
 class ReplicaUnavailableError(RouterError):
     """A replica died or could not be reached; the request can run elsewhere."""
 

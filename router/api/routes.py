@@ -55,6 +55,7 @@ from router.errors import (
     OverloadedError,
     RateLimitError,
     RouterError,
+    StreamIdleError,
 )
 from router.service import EVENT_ID, IDEMPOTENCY_KEY_MAX_CHARS, RouterService
 from router.state import keys
@@ -241,6 +242,10 @@ async def _reply(service: RouterService, tenant_id: str, shape: Shape,
         observer.cancelled()
         await asyncio.shield(service.detach(tenant_id, shape.request_id))
         raise
+    except StreamIdleError as exc:  # this reader gives up; the request goes on, detached
+        observer.refused(exc)
+        await asyncio.shield(service.detach(tenant_id, shape.request_id))
+        raise
     raise RouterError("the response stream ended without its terminal event")
 
 
@@ -289,6 +294,9 @@ async def _sse(service: RouterService, tenant_id: str, shaper: Shaper,
                              for payload in shaper.last_chunks(item, phases)),
                            f"id: {event_id}\ndata: [DONE]\n\n"])
             return
+    except StreamIdleError as exc:  # this reader gives up; the request goes on, detached
+        observer.refused(exc)
+        yield sse_data(_error_body(exc))
     except RouterError as exc:
         is_ended = True
         yield sse_data(_error_body(exc))

@@ -22,7 +22,7 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from router.errors import NotFoundError, OverloadedError
+from router.errors import NotFoundError, OverloadedError, StreamIdleError
 from router.messages import RequestState, StreamEvent
 from router.state import keys
 
@@ -120,7 +120,9 @@ class StreamMux:
                     batch = [event] if event is not None else []
                 if not batch:  # a tick
                     if idle_timeout_s is not None and time.monotonic() - idle_since > idle_timeout_s:
-                        raise TimeoutError(f"no event on {request_id!r} for {idle_timeout_s} s")
+                        raise StreamIdleError(f"request {request_id!r} sent nothing for "
+                                              f"{idle_timeout_s:g} s; it goes on: resume it with "
+                                              f"GET and Last-Event-ID", param="request_id")
                     try:
                         is_gone = await self._is_gone(request_key, stream_key)
                     except (RedisError, OSError) as exc:  # a restart: wait for it, a while

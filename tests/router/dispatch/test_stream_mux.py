@@ -148,3 +148,30 @@ def test_a_reader_behind_takes_what_piled_up_in_one_batch_up_to_the_end(redis_ur
                 assert rest[0][-1].is_terminal
 
     run(scenario())
+
+
+def test_an_idle_stream_ends_its_reader_with_a_stream_idle_error(redis_url) -> None:
+    """A request that sends nothing for the idle timeout ends its reader with OpenAI's 504
+    ``stream_idle_timeout`` (not "the queue store is unavailable", which a TimeoutError, an
+    OSError, used to become); events before it are delivered; the ticks of one ticker, not a
+    timer per wait, notice it."""
+    import pytest
+
+    from router.errors import StreamIdleError
+
+    async def scenario() -> None:
+        async with harness(redis_url) as h, running_mux(redis_url) as mux:
+            (grant,) = await _grants(h, 1)
+            await h.streams.append(grant.lease, [Event("chunk", "first")])
+            seen: list[str] = []
+            started = time.monotonic()
+            with pytest.raises(StreamIdleError) as caught:
+                async for batch in mux.read_batches("acme", grant.request_id,
+                                                    idle_timeout_s=1.5):
+                    seen += [event.data for event in batch]
+            assert seen == ["first"]
+            assert 1.5 <= time.monotonic() - started < 5
+            assert (caught.value.status, caught.value.code) == (504, "stream_idle_timeout")
+            assert not isinstance(caught.value, OSError)
+
+    run(scenario())
