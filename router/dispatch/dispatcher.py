@@ -174,7 +174,8 @@ class Dispatcher:
         except asyncio.CancelledError:  # this router is shutting down: hand the request back
             # (its next holder resumes it from the response stream: router/dispatch/relay.py)
             with contextlib.suppress(RouterError, RedisError, OSError):
-                await asyncio.shield(self.queues.requeue(grant.lease, "router shutdown"))
+                await asyncio.shield(self.queues.requeue(grant.lease, "router shutdown",
+                                                         is_holder_stopping=True))
             end_span(running, "requeued")
             raise
         except (RedisError, OSError) as exc:

@@ -184,10 +184,14 @@ class TenantQueues:
         return (*_lease_args(lease), outcome.value, int(prompt_used), int(output_used),
                 finish_reason, final_event)
 
-    async def requeue(self, lease: Lease, reason: str) -> RequestState:
-        """Give the request back: head of its tenant's queue, or dead past max_deliveries."""
+    async def requeue(self, lease: Lease, reason: str, is_holder_stopping: bool = False
+                      ) -> RequestState:
+        """Give the request back: head of its tenant's queue, or dead past max_deliveries.
+        ``is_holder_stopping``: the holder gives it back because it is shutting down (a
+        rolling restart), not because the request failed: that delivery does not count."""
         reply = await self.scripts.run(Script.REQUEUE, *_lease_args(lease),
-                                       self.settings.max_deliveries, reason)
+                                       self.settings.max_deliveries, reason,
+                                       "1" if is_holder_stopping else "0")
         _check_lease(lease, reply)
         return RequestState(reply[0].decode())
 

@@ -194,7 +194,7 @@ local function end_unserved(t, rid, tenant, r, new_state, reason, now)
 end
 
 local REQUEST_FIELDS = {'state', 'holder', 'deliveries', 'cost', 'reserved', 'day', 'cancel',
-                        'writer'}
+                        'writer', 'forgiven'}
 
 local function load_request(t, rid)
   local v = redis.call('HMGET', key('request', t, rid), unpack(REQUEST_FIELDS))
@@ -210,15 +210,19 @@ local function lease_ok(r, holder, attempt)
 end
 
 -- Back to the head of its tenant's queue with its fairness credit, or dead past the limit.
-local function requeue(t, rid, r, reason, max_deliveries, now)
+-- A delivery handed back by a holder that is stopping (a router's graceful shutdown: a rolling
+-- restart) is not the request's failure: it is forgiven, so it does not count towards
+-- max_deliveries (the attempt number still grows: it fences the old holder).
+local function requeue(t, rid, r, reason, max_deliveries, now, forgive)
   redis.call('ZREM', K.leases, t .. ' ' .. rid)
   local tenant = load_tenant(t, false)
-  if tonumber(r.deliveries) >= max_deliveries then
+  local forgiven = tonumber(r.forgiven or '0') + (forgive and 1 or 0)
+  if tonumber(r.deliveries) - forgiven >= max_deliveries then
     end_unserved(t, rid, tenant, r, 'dead', reason, now)
     return 'dead'
   end
   redis.call('HSET', key('request', t, rid), 'state', 'queued', 'holder', '', 'lease_deadline', '',
-             'requeued_ms', now, 'requeue_reason', reason)
+             'requeued_ms', now, 'requeue_reason', reason, 'forgiven', forgiven)
   redis.call('LPUSH', key('queue', t), rid)
   shift_tags(t, tenant.priority, -tonumber(r.cost) / tenant.weight)
   mark_ready(t, tenant.priority)

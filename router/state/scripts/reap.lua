@@ -12,7 +12,7 @@ for _, member in ipairs(expired) do
   local t, rid = string.sub(member, 1, sep - 1), string.sub(member, sep + 1)
   local r = load_request(t, rid)
   if r and r.state == 'leased' then
-    if requeue(t, rid, r, 'lease_expired', max_deliveries, now) == 'dead' then
+    if requeue(t, rid, r, 'lease_expired', max_deliveries, now, false) == 'dead' then
       num_dead = num_dead + 1
     else
       num_queued = num_queued + 1

@@ -333,3 +333,23 @@ def test_what_outlives_a_served_request_does_not_grow_with_its_prompt(redis_url)
             assert small == large < 3_000
 
     run(scenario())
+
+
+def test_a_router_shutdown_does_not_count_as_a_delivery(redis_url) -> None:
+    """Rolling restarts hand a long request back again and again: those deliveries are
+    forgiven, so it is not dead-lettered for them; a failure still counts (max_deliveries 2)."""
+    async def scenario() -> None:
+        async with harness(redis_url, ManualClock(), SETTINGS) as h:
+            await add_tenants(h, Tenant(id="acme"))
+            await h.queues.admit(make_request("acme", "long"))
+            for attempt in range(1, 6):  # five restarts
+                (g,) = (await h.queues.grant(f"router-{attempt}", 1)).grants
+                assert g.lease.attempt == attempt  # the attempt still fences the old holder
+                assert await h.queues.requeue(g.lease, "router shutdown",
+                                              is_holder_stopping=True) == RequestState.QUEUED
+            (g,) = (await h.queues.grant("d", 1)).grants
+            assert await h.queues.requeue(g.lease, "replica_died") == RequestState.QUEUED
+            (g,) = (await h.queues.grant("d", 1)).grants
+            assert await h.queues.requeue(g.lease, "replica_died") == RequestState.DEAD
+
+    run(scenario())
