@@ -178,7 +178,14 @@ end
 -- reservation is refunded; the stream gets its terminal event.
 local function end_unserved(t, rid, tenant, r, new_state, reason, now)
   local rk = key('request', t, rid)
-  settle_tokens(t, tenant, tonumber(r.reserved), r.day, 0)
+  -- what it cost before it died is charged (its prompt, if any output was sent, and that
+  -- output); the rest of the reservation is refunded
+  local streamed = tonumber(redis.call('HGET', rk, 'streamed') or '0')
+  local used = 0
+  if streamed > 0 then
+    used = streamed + tonumber(redis.call('HGET', rk, 'prompt_tokens') or '0')
+  end
+  settle_tokens(t, tenant, tonumber(r.reserved), r.day, used)
   redis.call('HSET', rk, 'state', new_state, 'finished_ms', now, 'end_reason', reason,
              'holder', '', 'lease_deadline', '')
   redis.call('HDEL', rk, 'body')  -- never to be served: its prompt is not needed any more

@@ -8,7 +8,7 @@
 -- took over. One call appends for a batch of requests (the chunks one engine step produced
 -- for all of them); each entry is checked on its own.
 -- KEYS: none passed. Reads fs:{t}:req:<id>; writes fs:{t}:stream:<id>, fs:{t}:req:<id>
---   (field pos:<choice>).
+--   (fields pos:<choice>, streamed).
 -- ARGV: 2 number of entries n, then n groups: tenant, request id, holder id, attempt, writer
 --   ('' when the holder writes itself and named no writer), number of events m, then m groups of (event type, data, choice, position; position 0: unfenced).
 -- Returns a list of n replies, in order: {"ok", last event id, cancel requested 0/1, events
@@ -32,12 +32,17 @@ for e = 1, n do
     for i = first, after - 1, 4 do
       local position = tonumber(ARGV[i + 3])
       local field = 'pos:' .. ARGV[i + 2]
-      if position > 0 and position <= tonumber(redis.call('HGET', rk, field) or '0') then
+      local before = position > 0 and tonumber(redis.call('HGET', rk, field) or '0') or 0
+      if position > 0 and position <= before then
         dropped = dropped + 1
       else
         last = redis.call('XADD', sk, 'MAXLEN', '~', K.stream_max_events, '*', 'type', ARGV[i],
                           'data', ARGV[i + 1])
-        if position > 0 then redis.call('HSET', rk, field, position) end
+        if position > 0 then
+          redis.call('HSET', rk, field, position)
+          -- output tokens sent, all choices: what a request that dies later is charged
+          redis.call('HINCRBY', rk, 'streamed', position - before)
+        end
       end
     end
     redis.call('EXPIRE', sk, K.stream_idle_ttl_s)

@@ -353,3 +353,25 @@ def test_a_router_shutdown_does_not_count_as_a_delivery(redis_url) -> None:
             assert await h.queues.requeue(g.lease, "replica_died") == RequestState.DEAD
 
     run(scenario())
+
+
+def test_a_dead_letter_is_charged_what_it_streamed(redis_url) -> None:
+    """A request dead-lettered after tokens went out is charged its prompt and those tokens
+    (each once, whichever holder wrote them); one that sent nothing is refunded in full."""
+    async def scenario() -> None:
+        clock = ManualClock()
+        async with harness(redis_url, clock, SETTINGS) as h:
+            await add_tenants(h, Tenant(id="acme", daily_tokens=10_000))
+            await h.queues.admit(make_request("acme", "r", prompt_tokens=10, max_tokens=20))
+            for _ in range(SETTINGS.max_deliveries):
+                (g,) = (await h.queues.grant("d", 1)).grants
+                # each holder writes 3 tokens of choice 0 from the start; 1 of them is new
+                await h.streams.append(g.lease, [Event("chunk", "ab", 0, 2),
+                                                 Event("chunk", "c", 0, g.lease.attempt + 1)])
+                clock.advance(SETTINGS.lease_ms + 1)
+                await h.queues.reap()
+            assert (await h.queues.get("acme", "r")).state == RequestState.DEAD
+            day = clock.now_ms // 86_400_000
+            assert int(await h.client.get(keys.budget("acme", day))) == 10 + 3
+
+    run(scenario())
