@@ -26,6 +26,9 @@ from typing import Any, Self
 
 # ---- sampling limits (names and ranges are vLLM's and OpenAI's) ----
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512  # each stop string is matched against the text at every step
+MAX_SCHEMA_BYTES = 32 * 1024  # a response_format's JSON Schema, serialized (compiled per request)
+MAX_SCHEMA_DEPTH = 32  # nesting of its objects and arrays
 MAX_TOP_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit

@@ -16,9 +16,9 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -59,6 +59,11 @@ from router.telemetry.tracing import OFF, Tracing, carrier, decode_meta, encode_
 logger = logging.getLogger(__name__)
 
 IDEMPOTENCY_KEY_MAX_CHARS = 255
+# a prompt with more characters than this many per context token is refused untokenized (a
+# token of common tokenizers is 3-5 characters of English; 32 leaves room for any real text)
+MAX_PROMPT_CHARS_PER_TOKEN = 32
+TOKENIZE_OFF_LOOP_CHARS = 4_000  # a longer prompt is tokenized on a worker thread
+T = TypeVar("T")
 EVENT_ID = re.compile(EVENT_ID_PATTERN)
 
 
@@ -147,7 +152,7 @@ class RouterService:
             raise NotFoundError(f"the model {request.model!r} does not exist; this cluster serves "
                                 f"{self.model.served_model_name!r}", param="model")
         check_sampling(request, self.tokenizer.vocab_size, self.api.max_n)
-        prompt_ids, prompt_param = self._prompt_ids(request)
+        prompt_ids, prompt_param = await self._prompt_ids(request)
         max_tokens = await self._max_tokens(principal.tenant_id, request, len(prompt_ids),
                                             prompt_param)
         body = json.dumps({"prompt_token_ids": prompt_ids,
@@ -165,15 +170,22 @@ class RouterService:
         return Submission(principal.tenant_id, request_id, len(prompt_ids), max_tokens,
                           admission.is_duplicate, admission.queue_depth, shape)
 
-    def _prompt_ids(self, request: ChatCompletionRequest | CompletionRequest) -> tuple[list[int], str]:
+    async def _prompt_ids(self, request: ChatCompletionRequest | CompletionRequest
+                          ) -> tuple[list[int], str]:
+        """The prompt's token ids and the field it came in. Text far longer than the context
+        could hold is refused before it is tokenized; a long one is tokenized on a worker
+        thread (the tokenizer releases the GIL), so one large prompt does not stall every
+        other request on this router's event loop."""
         if isinstance(request, ChatCompletionRequest):
             messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-            return self.tokenizer.encode_chat(messages), "messages"
+            self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+            return await self._off_loop(sum(len(m["content"]) for m in messages),
+                                        self.tokenizer.encode_chat, messages), "messages"
         prompt = request.prompt
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif all(isinstance(p, str) for p in prompt):  # a list of one string
-            ids = self.tokenizer.encode(str(prompt[0]))
+        if isinstance(prompt, str) or all(isinstance(p, str) for p in prompt):
+            text = prompt if isinstance(prompt, str) else str(prompt[0])
+            self._check_prompt_chars(len(text), "prompt")
+            ids = await self._off_loop(len(text), self.tokenizer.encode, text)
         else:
             ids = [int(t) for t in prompt]
             vocab = self.tokenizer.vocab_size
@@ -182,6 +194,21 @@ class RouterService:
         if not ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
         return ids, "prompt"
+
+    def _check_prompt_chars(self, num_chars: int, param: str) -> None:
+        limit = self.context_tokens * MAX_PROMPT_CHARS_PER_TOKEN
+        if num_chars > limit:
+            raise InvalidRequestError(
+                f"the prompt has {num_chars} characters: more than this model's context of "
+                f"{self.context_tokens} tokens can hold (at most {limit} characters are "
+                f"tokenized)", param=param, code=CONTEXT_LENGTH_EXCEEDED)
+
+    @staticmethod
+    async def _off_loop(num_chars: int, tokenize: Callable[[T], list[int]], text: T
+                        ) -> list[int]:
+        if num_chars < TOKENIZE_OFF_LOOP_CHARS:  # a thread hop costs more than a short text
+            return tokenize(text)
+        return await asyncio.to_thread(tokenize, text)
 
     async def _max_tokens(self, tenant_id: str, request: ChatCompletionRequest | CompletionRequest,
                           num_prompt: int, prompt_param: str) -> int:

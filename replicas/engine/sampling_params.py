@@ -15,6 +15,7 @@ from replicas.protocol import (  # the limits the router checks too; the fields
     MAX_N,
     MAX_PRESENCE_FREQUENCY_PENALTY,
     MAX_REPETITION_PENALTY,
+    MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
     MAX_TOP_LOGPROBS,
@@ -72,6 +73,9 @@ class SamplingParams(CallSampling):
             )
         if any(s == "" for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty", "stop")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise InvalidRequestError(
+                f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters", "stop")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, low=0)
         _check_int("top_logprobs", self.top_logprobs, low=0, high=MAX_TOP_LOGPROBS)

@@ -22,6 +22,7 @@ from replicas.protocol import (  # the limits the engine checks too: one definit
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_N,
     MAX_REPETITION_PENALTY,
+    MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
 )
@@ -104,6 +105,7 @@ class JsonSchemaSpec(_Request):
 
 
 
+
 class JsonSchemaFormat(_Request):
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec
@@ -123,8 +125,9 @@ class _Sampling(_Request):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, description="any integer, taken modulo 2**64")
-    stop: Annotated[str, Field(min_length=1)] | Annotated[
-        list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)] | Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]],
+        Field(max_length=MAX_STOP_STRINGS)] | None = None
     n: int = Field(1, ge=1, le=MAX_N, description="choices; at most router.api.max_n")
     stream: bool = False
     stream_options: StreamOptions | None = None

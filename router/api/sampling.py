@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from replicas.grammar import GrammarError, check_grammar
+from replicas.protocol import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH
 from router.api.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,6 +39,7 @@ def check_sampling(request: Request, vocab_size: int, max_n: int) -> None:
                 param=name)
     spec = structured_output(request)
     if spec is not None:
+        _check_schema_bounds(spec["schema"])
         try:
             check_grammar(spec["kind"], spec["schema"])
         except GrammarError as exc:
@@ -83,3 +85,34 @@ def sampling_wire(request: Request, max_tokens: int) -> dict[str, Any]:
     # only what differs from the engine's defaults travels (request bodies stay small)
     wire.update({k: v for k, v in extras.items() if v != defaults[k]})
     return wire
+
+
+def _check_schema_bounds(schema: str) -> None:
+    """A schema is compiled into a grammar for each request that sends it, on the router and
+    on the replica: its size and nesting are capped before that (``MAX_SCHEMA_BYTES``,
+    ``MAX_SCHEMA_DEPTH``)."""
+    problem = None
+    if len(schema) > MAX_SCHEMA_BYTES:
+        problem = f"it has {len(schema)} bytes as JSON; at most {MAX_SCHEMA_BYTES} are allowed"
+    elif schema and _depth(json.loads(schema)) > MAX_SCHEMA_DEPTH:
+        problem = f"it nests deeper than {MAX_SCHEMA_DEPTH} levels"
+    if problem is not None:
+        raise InvalidRequestError(f"response_format: the schema is too large: {problem}",
+                                  param="response_format", code=UNSUPPORTED_SCHEMA)
+
+
+def _depth(value: Any) -> int:
+    """How deeply objects and arrays nest in ``value`` (a scalar: 0), without recursion, and
+    no further than one level past the cap."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(
+            item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if depth > MAX_SCHEMA_DEPTH:
+            return depth
+        pending.extend((child, depth + 1) for child in children)
+    return deepest

@@ -46,6 +46,18 @@ def nested(depth: int) -> str:
     ("a nested response schema", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "deep", "schema": json.loads('{"items":' * 400 + '{}' + '}' * 400)}}}, 400,
      "response_format", "unsupported_schema"),
+    ("a schema nested 40 deep", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "deep", "schema": json.loads('{"type":"array","items":' * 40 + '{}'
+                                             + '}' * 40)}}}, 400,
+     "response_format", "unsupported_schema"),
+    ("a 100 KB schema", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "big", "schema": {"type": "object", "properties": {
+            f"field_{i}": {"type": "string", "description": "x" * 90} for i in range(1000)}}}}},
+     400, "response_format", "unsupported_schema"),
+    ("a 10,000-character stop string", {"stop": ["x" * 10_000]}, 400, "stop", None),
+    ("a 900 KB prompt, refused before it is tokenized",
+     {"messages": [{"role": "user", "content": "word " * 180_000}]}, 400, "messages",
+     "context_length_exceeded"),
 ])
 def test_a_peer_advisory_is_refused_and_names_the_field(e2e: E2ECluster, name: str, body: dict,
                                                         status: int, param: str, code) -> None:
@@ -56,6 +68,8 @@ def test_a_peer_advisory_is_refused_and_names_the_field(e2e: E2ECluster, name: s
     assert error["param"] == param or error["param"].startswith(param), (name, error)
     if code is not None:
         assert error["code"] == code, (name, error)
+    if "before it is tokenized" in name:
+        assert "characters" in error["message"], error
 
 
 @pytest.mark.parametrize(("name", "content"), [

@@ -56,3 +56,13 @@ def test_the_router_s_sampling_json_reads_back_typed() -> None:
     assert params.structured_output is not None and params.top_logprobs == 2
     with pytest.raises(TypeError):
         CallSampling.from_wire({"max_tokens": 4, "best_of": 2})
+
+
+def test_the_engine_refuses_a_stop_string_over_the_shared_cap() -> None:
+    from replicas.engine.errors import InvalidRequestError
+    from replicas.engine.sampling_params import SamplingParams
+    from replicas.protocol import MAX_STOP_STRING_CHARS
+
+    SamplingParams(stop=("x" * MAX_STOP_STRING_CHARS,))
+    with pytest.raises(InvalidRequestError, match="stop string"):
+        SamplingParams(stop=("x" * (MAX_STOP_STRING_CHARS + 1),))
