@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 from router.api.openai_models import ChatCompletionRequest, CompletionRequest
 from router.api.openapi import EVENT_ID_PATTERN, DeploymentLimits
 from router.api.prompt_tokenizer import ModelInfo, PromptTokenizer
-from router.api.sampling import check_sampling, sampling_wire
+from router.api.sampling import check_sampling, sampling_wire, stream_max_tokens
 from router.api.shaper import Shape
 from router.config import ApiSettings, QueueSettings
 from router.dispatch import response_events
@@ -218,9 +218,14 @@ class RouterService:
                 f"this model's maximum context length is {context} tokens; the prompt has "
                 f"{num_prompt}", param=prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
         requested = request.requested_max_tokens
-        if requested is None:  # chat: as long as the context and the tenant's cap allow
+        most = stream_max_tokens(request.n)
+        if requested is None:  # chat: as long as the context, the tenant's cap and the stream allow
             cap = await self.client.hget(keys.tenant(tenant_id), "max_tokens")
-            requested = min(context - num_prompt, int(cap) if cap else context)
+            requested = min(context - num_prompt, int(cap) if cap else context, most)
+        elif requested > most:
+            raise InvalidRequestError(
+                f"max_tokens {requested} with n {request.n}: one response stream holds at most "
+                f"{most} tokens per choice", param="max_tokens")
         elif num_prompt + requested > context:
             raise InvalidRequestError(
                 f"this model's maximum context length is {context} tokens; the prompt has "

@@ -21,6 +21,7 @@ from router.api.openai_models import (
     JsonSchemaFormat,
 )
 from router.errors import UNSUPPORTED_SCHEMA, InvalidRequestError
+from router.state.keys import STREAM_MAX_EVENTS
 
 Request = ChatCompletionRequest | CompletionRequest
 
@@ -116,3 +117,15 @@ def _depth(value: Any) -> int:
             return depth
         pending.extend((child, depth + 1) for child in children)
     return deepest
+
+
+# text-only chunks a choice may send besides one chunk per token step (the final flush of text
+# held back for a stop string or a multi-byte character), and the end event
+STREAM_EVENTS_SLACK = 4
+
+
+def stream_max_tokens(num_choices: int) -> int:
+    """The most output tokens per choice one response stream holds in full: a stream is capped
+    at ``keys.STREAM_MAX_EVENTS`` events (XADD MAXLEN), and a trimmed stream could no longer
+    tell a takeover what its client was sent, so no request may need more than that."""
+    return (STREAM_MAX_EVENTS - STREAM_EVENTS_SLACK) // num_choices - STREAM_EVENTS_SLACK
