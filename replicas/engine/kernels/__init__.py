@@ -5,13 +5,18 @@ NOTE: the kernels are compiled by torch's C++ extension builder (g++ and ninja) 
 cores), into ``~/.cache/fairserve/kernels/<key>``; ``key`` hashes the source, torch's version,
 the compiler and the CPU's flags, so a cache copied to another CPU (or an image run on another
 machine) is rebuilt, never run with instructions the CPU lacks. Concurrent replicas wait on
-torch's build lock and load the same library. Where they cannot be built (no compiler), the
-engine runs its torch path (``models/llama.py``): same model, slower, and float32 only by
+fairserve's own build lock (``flock`` on ``fairserve.lock``: the kernel drops it when its
+holder dies, so a replica killed mid-build leaves nothing behind; the wait is capped at
+``BUILD_LOCK_TIMEOUT_S``) and load the same library. Torch's own lock file (``lock``, which a
+killed build leaves behind, and which made every later start wait for ever) is removed by
+whoever holds fairserve's lock: under it, no other build is running. Where they cannot be
+built (no compiler, a cache directory that cannot be written), the engine runs its torch path (``models/llama.py``): same model, slower, and float32 only by
 default (``device_choice.py``); the reason is logged once.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -30,6 +35,8 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
 OPS = ("rms_norm", "add_rms_norm", "silu_mul", "paged_attention")
+BUILD_LOCK_TIMEOUT_S = 600.0  # another process building longer than this is stuck
+BUILD_LOCK_POLL_S = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,18 +76,45 @@ def cpu_ops() -> KernelStatus:
 
     key = build_key()
     directory = cache_root() / key
-    directory.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
     try:
-        cpp_extension.load(
-            name=f"fairserve_cpu_ops_{key}", sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
-            build_directory=str(directory), is_python_module=False, verbose=False,
-        )
-    except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
-        errors = [line for line in str(exc).splitlines() if "error" in line.lower()]
-        return _unavailable(f"the build failed: {(errors or [str(exc)])[0][:500]}")
+        directory.mkdir(parents=True, exist_ok=True)
+        lock = (directory / "fairserve.lock").open("a")
+    except OSError as exc:
+        return _unavailable(f"the kernel cache {directory} cannot be written: {exc}")
+    started = time.perf_counter()
+    with lock:
+        if not _acquire(lock.fileno(), BUILD_LOCK_TIMEOUT_S):
+            return _unavailable(f"another process held the build lock in {directory} for "
+                                f"{BUILD_LOCK_TIMEOUT_S:.0f} s")
+        stale = directory / "lock"  # torch's; with fairserve's lock held, no build is running
+        if stale.exists():
+            logger.warning("removing a kernel build lock left by a build that died: %s", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            cpp_extension.load(
+                name=f"fairserve_cpu_ops_{key}", sources=[str(SOURCE)],
+                extra_cflags=list(CFLAGS), build_directory=str(directory),
+                is_python_module=False, verbose=False,
+            )
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+            errors = [line for line in str(exc).splitlines() if "error" in line.lower()]
+            return _unavailable(f"the build failed: {(errors or [str(exc)])[0][:500]}")
     logger.info("CPU kernels loaded from %s in %.1f s", directory, time.perf_counter() - started)
     return KernelStatus(True, str(directory))
+
+
+def _acquire(fd: int, timeout_s: float) -> bool:
+    """An exclusive ``flock`` on ``fd`` within ``timeout_s`` (released when the file is closed,
+    or by the kernel when the process dies)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(BUILD_LOCK_POLL_S)
 
 
 def _find_venv_ninja() -> None:
