@@ -212,7 +212,7 @@ class CallReport:
     """What a replica tells the dispatcher over Ray about a call; the tokens themselves go to
     the response stream (``CallStream``). The first report of every call names the replica
     (who has the request); while it runs, an empty report now and then says the call is alive
-    (``is_heartbeat``); each choice's end comes once its last chunk is in the stream, with the
+    (all fields empty); each choice's end comes once its last chunk is in the stream, with the
     choice's output tokens there (``position``), its ``usage`` and ``timings``; ``halted`` says
     the replica stopped the call early and why (``Halt``)."""
 
@@ -223,10 +223,6 @@ class CallReport:
     usage: ChunkUsage | None = None
     timings: ChunkTimings | None = None
     halted: str | None = None
-
-    @property
-    def is_heartbeat(self) -> bool:
-        return self.replica_id is None and self.finish_reason is None and self.halted is None
 
     # NOTE: the codec. Ray packs plain lists, strings and numbers with msgpack and pickles any
     # other object (a slotted dataclass per message cost the replica 0.07 ms each, measured

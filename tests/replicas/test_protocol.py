@@ -25,13 +25,6 @@ def test_a_report_survives_the_round_trip(report: CallReport) -> None:
     assert CallReport.decode(wire) == report
 
 
-def test_a_report_says_what_it_is() -> None:
-    assert CallReport().is_heartbeat
-    assert not CallReport("r1").is_heartbeat
-    assert not CallReport(None, 0, "stop", 1).is_heartbeat
-    assert not CallReport(halted=Halt.CANCELLED).is_heartbeat
-
-
 def test_the_router_s_sampling_json_reads_back_typed() -> None:
     from replicas.server import _sampling_params
     from router.api.openai_models import ChatCompletionRequest
