@@ -103,17 +103,19 @@ class RouterSettings(_Branch):
     resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources each router needs (the Helm "
         "chart's router worker group advertises `fairserve_router`)")
-    host: str = Field("127.0.0.1", description="HTTP bind address of Ray Serve's proxy")
+    host: str = Field("127.0.0.1", description="HTTP bind address of the ingress and of "
+                      "each router's own port")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")
     max_ongoing_requests: int = Field(
         2000, ge=1, description="HTTP requests one router replica holds at once (most wait)"
     )
     ingress: Ingress = Field(
-        Ingress.PROXY, description="`proxy`: Ray Serve's HTTP proxy; `haproxy`: Ray Serve's "
-        "throughput mode (RAY_SERVE_THROUGHPUT_OPTIMIZED: direct gRPC between deployments, user "
-        "code on the replica's own event loop) with its HAProxy ingress on `port` in front of "
-        "each router's own HTTP port (RAY_SERVE_ENABLE_HA_PROXY): no Python hop between the "
-        "client and the router (make bench-serving-path measures both). Set on the Ray "
+        Ingress.HAPROXY, description="`haproxy`: Ray Serve's throughput mode "
+        "(RAY_SERVE_THROUGHPUT_OPTIMIZED: direct gRPC between deployments, user code on the "
+        "replica's own event loop) with its HAProxy ingress on `host`:`port` in front of each "
+        "router's own HTTP port, bound on `host` too (RAY_SERVE_ENABLE_HA_PROXY): no Python hop "
+        "between the client and the router; `proxy`: Ray Serve's Python HTTP proxy, a process "
+        "hop per chunk (make bench-serving-path measures both). Set on the Ray "
         "processes' environment: `fairserve up` sets it in the Ray it starts, the Helm chart on "
         "every Ray pod; a Ray cluster `fairserve up` joins needs those variables itself")
     graceful_shutdown_timeout_s: float = Field(

@@ -41,7 +41,7 @@ UNLIMITED = "-"
 
 # Tenant fields the options set, in the order the table shows them.
 SETTINGS = ("weight", "priority", "rpm", "tpm", "daily_tokens", "max_tokens", "max_queued",
-            "disabled")
+            "max_streams", "max_resumes", "disabled")
 TABLE_COLUMNS = ("id", *SETTINGS, "keys")
 
 
@@ -147,6 +147,10 @@ def _add_settings_options(parser: argparse.ArgumentParser, is_change: bool) -> N
                         help="cap on a request's max_tokens")
     parser.add_argument("--max-queued", type=int, default=unset, metavar="N",
                         help="cap on requests waiting in the tenant's queue")
+    parser.add_argument("--max-streams", type=int, default=unset, metavar="N",
+                        help="cap on requests the tenant's clients wait on at once")
+    parser.add_argument("--max-resumes", type=int, default=unset, metavar="N",
+                        help="cap on resumed reads (GET .../{id}) open at once")
     if not is_change:
         parser.add_argument("--disabled", action="store_true", default=unset,
                             help="refuse the tenant's new requests")
@@ -233,7 +237,8 @@ async def _set(admin: Admin, args: argparse.Namespace) -> int:
     if not changes:
         raise InvalidRequestError(
             "nothing to set: give at least one of --weight, --priority, --rpm, --tpm, "
-            "--daily-tokens, --max-tokens, --max-queued, --enabled, --disabled"
+            "--daily-tokens, --max-tokens, --max-queued, --max-streams, --max-resumes, "
+            "--enabled, --disabled"
         )
     tenant = await admin.tenants.update(args.tenant_id, **changes)
     print(f"updated tenant {tenant.id}: {_describe(tenant, tuple(changes))}")

@@ -36,6 +36,30 @@ class AdmitRequest:
     # choices (OpenAI's n): each may produce max_tokens, so the reservation and the fair-share
     # cost count the output n times (the prompt once: the choices share it)
     num_choices: int = 1
+    # the client's reader (router/state/readers.py): an admitted request is attached to it in
+    # the same call, counted against the tenant's max_streams; None: nobody reads it yet
+    reader: Reader | None = None
+    reader_lease_end_ms: int = 0  # when its lease runs out unless renewed (epoch ms)
+
+
+@dataclass(frozen=True, slots=True)
+class Reader:
+    """One client reading one request's response stream (``router/state/readers.py``)."""
+
+    tenant_id: str
+    request_id: str
+    reader_id: str
+    kind: ReaderKind
+
+    @property
+    def member(self) -> str:
+        """Its lease's member of ``fs:{sched}:readers``."""
+        return f"{self.tenant_id} {self.request_id} {self.reader_id} {self.kind.value}"
+
+
+class ReaderKind(enum.StrEnum):
+    STREAM = "stream"  # the client that sent the request waits on it, streamed or not
+    RESUME = "resume"  # a GET that reads it again (max_resumes)
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,11 +40,13 @@ from router.errors import (
     PAST_THE_STREAM,
     InvalidRequestError,
     NotFoundError,
+    RouterError,
 )
-from router.messages import AdmitRequest, CancelOutcome, RequestState
+from router.messages import AdmitRequest, CancelOutcome, Reader, ReaderKind, RequestState
 from router.state import keys
 from router.state.api_keys import ApiKeys, Principal
 from router.state.queues import TenantQueues
+from router.state.readers import ReaderLeases, lease_end_ms
 from router.state.scripts import Scripts
 from router.telemetry.metrics import (
     SNAPSHOT_S,
@@ -84,6 +86,7 @@ class Submission:
     is_duplicate: bool
     queue_depth: int | None
     shape: Shape  # what its responses look like (stored with it: router/api/shaper.py)
+    reader: Reader  # the client's, attached (the caller detaches it: RouterService.detach)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +110,7 @@ class RouterService:
         self.api_keys = ApiKeys(scripts)
         self.queues = TenantQueues(scripts, options.queues)
         self.mux = StreamMux(client)
+        self.readers = ReaderLeases(self.queues, int(self.api.detach_grace_s * 1000))
         self.metrics = MetricsStore()
         self.dispatcher = Dispatcher(
             self.queues, replicas, holder, options.dispatch, options.tracing,
@@ -119,7 +123,8 @@ class RouterService:
         self.mux.start()
         self._tasks = [asyncio.create_task(self.dispatcher.run(), name="dispatcher"),
                        asyncio.create_task(self._listen_for_wakes(), name="wake listener"),
-                       asyncio.create_task(self._publish_metrics(), name="metrics")]
+                       asyncio.create_task(self._publish_metrics(), name="metrics"),
+                       asyncio.create_task(self.readers.run(), name="reader leases")]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -161,14 +166,18 @@ class RouterService:
         shape = Shape.of(request, request_id, self.model.served_model_name, len(prompt_ids))
         trace_fields = carrier() if self.tracing.is_on else {}
         meta = encode_meta({**trace_fields, "shape": shape.to_wire()}, now_ns())
+        reader = self.readers.new(principal.tenant_id, request_id, ReaderKind.STREAM)
         admission = await self.queues.admit(AdmitRequest(
             principal.tenant_id, request_id, len(prompt_ids), max_tokens, body, meta,
-            num_choices=request.n))
-        if not admission.is_duplicate:
+            num_choices=request.n, reader=reader, reader_lease_end_ms=lease_end_ms()))
+        if admission.is_duplicate:  # a retry joins the request: a reader of its own
+            await self.readers.attach(reader)
+        else:
+            self.readers.admitted(reader)
             self.dispatcher.wake()
             await self.client.publish(keys.wake_channel(), b"1")
         return Submission(principal.tenant_id, request_id, len(prompt_ids), max_tokens,
-                          admission.is_duplicate, admission.queue_depth, shape)
+                          admission.is_duplicate, admission.queue_depth, shape, reader)
 
     async def _prompt_ids(self, request: ChatCompletionRequest | CompletionRequest
                           ) -> tuple[list[int], str]:
@@ -276,17 +285,19 @@ class RouterService:
                                       f"{newest!r}", param=param, code=PAST_THE_STREAM)
         return event_id
 
-    async def attach(self, tenant_id: str, request_id: str) -> None:
-        await self.queues.attach(tenant_id, request_id)
+    async def attach(self, tenant_id: str, request_id: str, kind: ReaderKind) -> Reader:
+        """A client reads the request (429 beyond its tenant's limit of this kind)."""
+        reader = self.readers.new(tenant_id, request_id, kind)
+        await self.readers.attach(reader)
+        return reader
 
-    async def detach(self, tenant_id: str, request_id: str) -> None:
-        """The client went away: the request goes on for the grace period, then is cancelled
-        unless a client resumes it."""
+    async def detach(self, reader: Reader) -> None:
+        """The client went away, or its answer ended: a request still to run goes on for the
+        grace period, then is cancelled unless a client resumes it."""
         try:
-            await self.queues.detach(tenant_id, request_id,
-                                     int(self.api.detach_grace_s * 1000))
-        except (NotFoundError, RedisError) as exc:
-            logger.warning("detaching %s failed: %s", request_id, exc)
+            await self.readers.detach(reader)
+        except (RouterError, RedisError) as exc:  # its lease runs out and is swept instead
+            logger.warning("detaching %s failed: %s", reader.request_id, exc)
 
     async def cancel(self, tenant_id: str, request_id: str, reason: str = "client") -> None:
         """The client went away: a queued request leaves its queue, a running one is aborted."""

@@ -57,6 +57,7 @@ from router.errors import (
     RouterError,
     StreamIdleError,
 )
+from router.messages import Reader, ReaderKind
 from router.service import EVENT_ID, IDEMPOTENCY_KEY_MAX_CHARS, RouterService
 from router.state import keys
 from router.state.api_keys import Principal
@@ -205,30 +206,39 @@ async def _respond(service: RouterService, body: ChatCompletionRequest | Complet
         principal: Principal = await service.authenticate(authorization)
         observer.tenant = principal.tenant_id
         submission = await service.submit(principal, body, idempotency_key)
+    except RouterError as exc:
+        observer.refused(exc)
+        raise
+    reader = submission.reader  # attached: from here on it is let go whatever happens
+    try:
         shape = (await service.shape_of(submission.tenant_id, submission.request_id)
                  if submission.is_duplicate else submission.shape)
         # a retry with the same key that says where it was resumes from there
         after = (await service.position(submission.tenant_id, submission.request_id,
                                         last_event_id, "Last-Event-ID")
                  if submission.is_duplicate and last_event_id else START)
-    except RouterError as exc:
-        observer.refused(exc)
+    except BaseException as exc:
+        if isinstance(exc, RouterError):
+            observer.refused(exc)
+        await asyncio.shield(service.detach(reader))
         raise
     observer.admitted(submission.tenant_id, submission.request_id, submission.max_tokens)
-    return await _reply(service, submission.tenant_id, shape, observer, body.stream, after)
+    return await _reply(service, reader, shape, observer, body.stream, after)
 
 
-async def _reply(service: RouterService, tenant_id: str, shape: Shape,
+async def _reply(service: RouterService, reader: Reader, shape: Shape,
                  observer: RequestObserver, stream: bool, after: str) -> Any:
+    """The answer to an attached ``reader``, streamed or whole; the reader is detached when
+    it ends, however it ends (``_ReaderStream`` for a stream)."""
     shaper = Shaper(shape, service.tokenizer.piece)
     headers = {"X-Fairserve-Request-Id": shape.request_id}
-    await service.attach(tenant_id, shape.request_id)
     if stream:
-        return StreamingResponse(_sse(service, tenant_id, shaper, observer, after),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", **headers})
+        return _ReaderStream(service, reader,
+                             _sse(service, reader.tenant_id, shaper, observer, after),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", **headers})
     try:
-        async for _, item in service.events(tenant_id, shape.request_id):
+        async for _, item in service.events(reader.tenant_id, shape.request_id):
             if isinstance(item, ChunkData):
                 observer.tokens(item.num_tokens)
                 shaper.add(item)
@@ -240,13 +250,29 @@ async def _reply(service: RouterService, tenant_id: str, shape: Shape,
                 **headers, "Server-Timing": phases.server_timing(total_s)})
     except asyncio.CancelledError:  # the client went away
         observer.cancelled()
-        await asyncio.shield(service.detach(tenant_id, shape.request_id))
         raise
     except StreamIdleError as exc:  # this reader gives up; the request goes on, detached
         observer.refused(exc)
-        await asyncio.shield(service.detach(tenant_id, shape.request_id))
         raise
+    finally:
+        await asyncio.shield(service.detach(reader))
     raise RouterError("the response stream ended without its terminal event")
+
+
+class _ReaderStream(StreamingResponse):
+    """A streamed answer whose reader is detached when the response ends, however it ends: a
+    generator that was never started (the client left first) never runs its own cleanup."""
+
+    def __init__(self, service: RouterService, reader: Reader, content: AsyncIterator[str],
+                 **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._service, self._reader = service, reader
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await asyncio.shield(self._service.detach(self._reader))
 
 
 async def _resume(service: RouterService, is_chat: bool, request_id: str, stream: bool,
@@ -262,10 +288,11 @@ async def _resume(service: RouterService, is_chat: bool, request_id: str, stream
                                 f"{request_id!r}", param="request_id")
         after = (await service.position(principal.tenant_id, request_id, position, param)
                  if position else START)
+        reader = await service.attach(principal.tenant_id, request_id, ReaderKind.RESUME)
     except RouterError as exc:
         observer.refused(exc)
         raise
-    return await _reply(service, principal.tenant_id, shape, observer, stream, after)
+    return await _reply(service, reader, shape, observer, stream, after)
 
 
 async def _sse(service: RouterService, tenant_id: str, shaper: Shaper,
@@ -303,10 +330,9 @@ async def _sse(service: RouterService, tenant_id: str, shaper: Shaper,
     except (RedisError, OSError) as exc:  # the queue store went away for good: say so
         is_ended = True
         yield sse_data(_error_body(OverloadedError(f"the queue store is unavailable: {exc}")))
-    finally:
+    finally:  # the reader is detached by _ReaderStream
         if not is_ended:  # disconnect (or cancellation of this handler)
             observer.cancelled()
-            await asyncio.shield(service.detach(tenant_id, request_id))
 
 
 def _chunks_text(batch: list[tuple[str, ChunkData | EndData]], shaper: Shaper,

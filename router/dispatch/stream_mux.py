@@ -7,6 +7,11 @@ streams waited on, and hands each event to the waiters of its stream. A new wait
 the next read: it wakes the blocked one with ``CLIENT UNBLOCK`` (Redis 5+), so it waits for no
 timeout. Several waiters may read one stream (an ``Idempotency-Key`` join reads from the start
 while the first reader is further on); each has its own position.
+
+A waiter holds at most ``MAX_BUFFERED`` events: one whose client reads slower than its request
+is written (a full socket) falls out of the shared read and, once it has taken what it holds,
+catches up from the stream itself (XRANGE), then joins the shared read again. The stream in Redis
+is the buffer; the router's memory per reader stays bounded.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ UNBLOCK_RETRY_S = 0.001
 UNBLOCK_RETRIES = 20
 RECONNECT_S = 0.5
 REDIS_OUTAGE_S = 30.0  # a waiter rides out a Redis restart this long, then fails (503)
+MAX_BUFFERED = 256  # events one waiter holds; beyond, it catches up from the stream itself
 
 
 def _id_key(event_id: str) -> tuple[int, int]:
@@ -48,6 +54,7 @@ class _Waiter:
     # events, and None: a tick, when nothing came for a while (``StreamMux._tick``)
     queue: asyncio.Queue[StreamEvent | None] = field(default_factory=asyncio.Queue)
     heard_s: float = field(default_factory=time.monotonic)  # its last event, or tick
+    lagging: bool = False  # its buffer filled up: out of the shared read until it catches up
 
     def take(self) -> list[StreamEvent]:
         """The events queued now, without waiting (ticks among them are dropped)."""
@@ -114,10 +121,7 @@ class StreamMux:
             while True:
                 # NOTE: no timer per wait (asyncio.wait_for made a task and a timer for every
                 # event of every stream); a waiter that heard nothing for a while gets a tick
-                batch = waiter.take()
-                if not batch:
-                    event = await waiter.queue.get()
-                    batch = [event] if event is not None else []
+                batch = await self._next(stream_key, waiter)
                 if not batch:  # a tick
                     if idle_timeout_s is not None and time.monotonic() - idle_since > idle_timeout_s:
                         raise StreamIdleError(f"request {request_id!r} sent nothing for "
@@ -148,6 +152,31 @@ class StreamMux:
                 waiters.remove(waiter)
             if not waiters:
                 self._waiters.pop(stream_key, None)
+
+    async def _next(self, stream_key: str, waiter: _Waiter) -> list[StreamEvent]:
+        """What a waiter has now, else from its stream if it lags, else the next event; []: a
+        tick."""
+        batch = waiter.take()
+        if not batch and waiter.lagging:
+            batch = await self._catch_up(stream_key, waiter)
+        if not batch:
+            event = await waiter.queue.get()
+            batch = [event] if event is not None else []
+        return batch
+
+    async def _catch_up(self, stream_key: str, waiter: _Waiter) -> list[StreamEvent]:
+        """The events after a lagging waiter's position, read from its stream; once it has
+        them all it joins the shared read again."""
+        entries: Any = await self.client.xrange(stream_key, min=f"({waiter.last}",
+                                                count=READ_BATCH)
+        events = [StreamEvent(raw_id.decode(), fields[b"type"].decode(),
+                              fields[b"data"].decode()) for raw_id, fields in entries]
+        if events:
+            waiter.last = events[-1].event_id
+        if len(events) < READ_BATCH:
+            waiter.lagging = False
+            await self._wake_reader()
+        return events
 
     async def _is_gone(self, request_key: str, stream_key: str) -> bool:
         """No stream, and none to come: the request is unknown, or it ended and its stream
@@ -201,12 +230,12 @@ class StreamMux:
 
     async def _read_forever(self, reader: aioredis.Redis) -> None:
         while not self._is_stopping:
-            if not self._waiters:
-                await self._changed.wait()
             self._changed.clear()
-            streams: Any = {key: min((w.last for w in ws), key=_id_key)
-                       for key, ws in self._waiters.items() if ws}
-            if not streams:
+            streams: Any = {key: min((w.last for w in ws if not w.lagging), key=_id_key)
+                            for key, ws in self._waiters.items()
+                            if any(not w.lagging for w in ws)}
+            if not streams:  # nobody waits, or only waiters that catch up by themselves
+                await self._changed.wait()
                 continue
             self._num_reads += 1
             self._is_blocked = True
@@ -221,12 +250,15 @@ class StreamMux:
     def _deliver(self, stream_key: str, start: tuple[int, int], entries: list[Any]) -> None:
         for waiter in self._waiters.get(stream_key, []):
             position = _id_key(waiter.last)
-            if position < start:  # joined during this read: it would miss what lies between
-                continue
+            if waiter.lagging or position < start:  # joined during this read: it would miss
+                continue                             # what lies between
             for raw_id, fields in entries:
                 event_id = raw_id.decode()
                 if _id_key(event_id) <= position:
                     continue
+                if waiter.queue.qsize() >= MAX_BUFFERED:
+                    waiter.lagging = True  # the rest it reads from the stream (_catch_up)
+                    break
                 waiter.queue.put_nowait(StreamEvent(event_id, fields[b"type"].decode(),
                                                     fields[b"data"].decode()))
                 waiter.last = event_id

@@ -4,7 +4,8 @@ Layout (prefix ``fs``):
 
 - per tenant, under the hash tag ``{<tenant>}`` so that a tenant's keys share one slot:
   ``fs:{t}:tenant`` (HASH, the tenant's settings), ``fs:{t}:keys`` (HASH key id -> digest),
-  ``fs:{t}:state`` (HASH: fair-share finish tag, GCRA theoretical arrival times),
+  ``fs:{t}:state`` (HASH: fair-share finish tag, GCRA theoretical arrival times, the open
+  readers of each kind),
   ``fs:{t}:queue`` (LIST of request ids, head = next), ``fs:{t}:req:<id>`` (HASH, one request),
   ``fs:{t}:stream:<id>`` (STREAM, one request's response events), ``fs:{t}:budget:<day>``
   (STRING, tokens reserved or charged on one UTC day), ``fs:{t}:dead`` (ZSET of dead-lettered
@@ -15,6 +16,8 @@ Layout (prefix ``fs``):
   (ZSET tenant -> start tag of its head request), ``fs:{sched}:vtime`` (HASH class -> virtual
   time), ``fs:{sched}:leases`` (ZSET ``"<tenant> <id>"`` -> lease deadline in ms),
   ``fs:{sched}:detached`` (ZSET ``"<tenant> <id>"`` -> when a request nobody reads is cancelled),
+  ``fs:{sched}:readers`` (ZSET ``"<tenant> <id> <reader> <kind>"`` -> when the lease of a client
+  reading a request's stream runs out unless its router renews it; ``router/state/readers.py``),
   ``fs:{sched}:replicas`` (ZSET replica id -> time of its last load report in ms),
   ``fs:{sched}:replica:<id>`` (STRING, the replica's last load report as JSON, with a TTL), and
   the pub/sub channel ``fs:{sched}:wake`` (admissions wake the dispatchers).
@@ -48,6 +51,8 @@ STREAM_ENDED_TTL_S = 15 * 60  # a finished stream stays resumable this long
 BUDGET_DAY_TTL_S = 2 * 24 * 3600  # one day's budget counter, kept past the day for inspection
 DEAD_LETTER_TTL_S = 7 * 24 * 3600  # the dead-letter set of a tenant, refreshed on every entry
 REPLICA_REPORT_TTL_S = 5  # a load report not refreshed for this long is of a dead replica
+READER_LEASE_S = 30  # a reader whose router stopped renewing it (a crash) is let go after this
+READER_RETRY_MS = 1_000  # Retry-After of a request refused for its tenant's open readers
 STREAM_MAX_EVENTS = 100_000  # approximate cap (XADD MAXLEN ~) on one request's stream
 
 _TEMPLATES: dict[str, str] = {
@@ -67,6 +72,7 @@ _TEMPLATES: dict[str, str] = {
     "vtime": PREFIX + ":{sched}:vtime",
     "leases": PREFIX + ":{sched}:leases",
     "detached": PREFIX + ":{sched}:detached",
+    "readers": PREFIX + ":{sched}:readers",
     "replicas": PREFIX + ":{sched}:replicas",
     "replica": PREFIX + ":{sched}:replica:%s",
     "wake": PREFIX + ":{sched}:wake",
@@ -85,11 +91,16 @@ SCRIPT_CONSTANTS: dict[str, str | int] = {
     "budget_ttl_s": BUDGET_DAY_TTL_S,
     "dead_ttl_s": DEAD_LETTER_TTL_S,
     "stream_max_events": STREAM_MAX_EVENTS,
+    "reader_retry_ms": READER_RETRY_MS,
 }
 
 
 def detached() -> str:
     return _TEMPLATES["detached"]
+
+
+def readers() -> str:
+    return _TEMPLATES["readers"]
 
 
 def check_tenant_id(tenant_id: str) -> str:

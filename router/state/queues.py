@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 from router.config import QueueSettings
 from router.errors import (
@@ -61,6 +61,7 @@ from router.messages import (
     GrantBatch,
     Lease,
     LeaseStatus,
+    Reader,
     ReapResult,
     RequestRecord,
     RequestState,
@@ -80,7 +81,10 @@ _REFUSAL_MESSAGES = {
     "rpm": "requests-per-minute limit reached",
     "tpm": "tokens-per-minute limit reached",
     "daily_budget": "daily token budget used up",
+    "streams": "the tenant has its limit of open requests (max_streams) being waited on",
+    "resumes": "the tenant has its limit of resumed streams (max_resumes) open",
 }
+RENEW_READERS_BATCH = 1_000
 
 
 class TenantQueues:
@@ -120,9 +124,10 @@ class TenantQueues:
                                           param=name)
         if len(request.body.encode()) > MAX_BODY_BYTES:
             raise RequestTooLargeError(f"request body over {MAX_BODY_BYTES} bytes", param="body")
+        reader = request.reader
         return (request.tenant_id, request.request_id, request.prompt_tokens, request.max_tokens,
                 expected, request.body, request.meta, self.settings.queue_full_retry_after_ms,
-                request.num_choices)
+                request.num_choices, reader.reader_id if reader else "", request.reader_lease_end_ms)
 
     # ---- grants and leases ----
 
@@ -202,21 +207,40 @@ class TenantQueues:
 
     # ---- readers: detached requests are cancelled after a grace period ----
 
-    async def attach(self, tenant_id: str, request_id: str) -> None:
-        """A client reads the request's stream: it is not detached (any more)."""
-        await self._readers(tenant_id, request_id, "attach", 0)
-
-    async def detach(self, tenant_id: str, request_id: str, grace_ms: int) -> None:
-        """A client went away; with no reader left the request is cancelled in ``grace_ms``
-        unless one comes back (``attach``)."""
-        deadline = int(time.time() * 1000) + grace_ms
-        await self._readers(tenant_id, request_id, "detach", deadline)
-
-    async def _readers(self, tenant_id: str, request_id: str, mode: str, deadline_ms: int) -> None:
-        reply = await self.scripts.run(Script.READERS, keys.check_tenant_id(tenant_id),
-                                       keys.check_request_id(request_id), mode, deadline_ms)
+    async def attach(self, reader: Reader, lease_end_ms: int) -> None:
+        """A client reads the request's stream: it is not detached (any more); refused (429)
+        when its tenant has its limit of readers of this kind open."""
+        reply = await self.scripts.run(
+            Script.READERS, "attach", keys.check_tenant_id(reader.tenant_id),
+            keys.check_request_id(reader.request_id), reader.reader_id, reader.kind.value,
+            lease_end_ms)
         if reply[0] == b"missing":
-            raise NotFoundError(f"no request {request_id!r}", param="request_id")
+            raise NotFoundError(f"no request {reader.request_id!r}", param="request_id")
+        if reply[0] == b"refused":
+            _refuse(reply[1].decode(), int(reply[2]))
+
+    async def detach(self, reader: Reader, deadline_ms: int) -> int:
+        """A client went away (or its stream ended); a request nobody reads any more is
+        cancelled at ``deadline_ms`` unless a reader comes back (``attach``). Returns the
+        request's readers now, -1 if this reader had been let go already."""
+        reply = await self.scripts.run(
+            Script.READERS, "detach", keys.check_tenant_id(reader.tenant_id),
+            keys.check_request_id(reader.request_id), reader.reader_id, reader.kind.value,
+            deadline_ms)
+        return int(reply[1])
+
+    async def renew_readers(self, members: list[str], lease_end_ms: int) -> None:
+        """Extend the leases of readers still connected (``Reader.member``); one that was let
+        go meanwhile stays gone (ZADD XX)."""
+        for start in range(0, len(members), RENEW_READERS_BATCH):
+            batch = members[start:start + RENEW_READERS_BATCH]
+            await self.client.zadd(keys.readers(), dict.fromkeys(batch, lease_end_ms), xx=True)
+
+    async def sweep_readers(self, grace_ms: int, limit: int = 100) -> int:
+        """Let go of the readers whose lease ran out (their router stopped renewing them):
+        counted down as a detach would; returns how many."""
+        reply = await self.scripts.run(Script.READERS, "sweep", limit, grace_ms)
+        return int(reply[1])
 
     async def reap_detached(self, limit: int = 100) -> int:
         """Cancel the detached requests whose grace has run out; returns how many."""
@@ -306,7 +330,11 @@ def _admission(request: AdmitRequest, reply: list[Any]) -> Admission:
         )
     if reason == "disabled":
         raise PermissionDeniedError("tenant is disabled", param="tenant")
-    retry_after_s = int(reply[2]) / 1000
+    _refuse(reason, int(reply[2]))
+
+
+def _refuse(reason: str, retry_after_ms: int) -> NoReturn:
+    retry_after_s = retry_after_ms / 1000
     raise RateLimitError(f"{_REFUSAL_MESSAGES[reason]}; retry after {retry_after_s:.3f} s",
                          reason, retry_after_s)
 

@@ -13,6 +13,8 @@ Limits left unset are unlimited. Tenants can be loaded from a YAML file::
         daily_tokens: 5000000
         max_tokens: 2048
         max_queued: 500
+        max_streams: 256   # requests waited on at once (streamed or not), all routers
+        max_resumes: 32    # GET resumes open at once
         api_keys:          # optional: keys known by their SHA-256 digest only
           - {id: 3f2a9c01, sha256: 9b7e...64 hex..., label: ci}
 
@@ -43,6 +45,8 @@ from router.state.scripts import Script, Scripts
 MAX_PRIORITY = 9
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_MAX_QUEUED = 1000
+DEFAULT_MAX_STREAMS = 512
+DEFAULT_MAX_RESUMES = 64
 MAX_KEY_LABEL_CHARS = 200
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 KEY_ID = re.compile(rf"^[0-9a-f]{{{KEY_ID_HEX_CHARS}}}$")
@@ -68,6 +72,13 @@ class Tenant(BaseModel):
     )
     max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, description="cap on a request's max_tokens")
     max_queued: int = Field(DEFAULT_MAX_QUEUED, ge=1, description="cap on requests waiting in queue")
+    max_streams: int = Field(
+        DEFAULT_MAX_STREAMS, ge=1,
+        description="cap on requests the tenant's clients wait on at once, streamed or not, "
+        "over all routers (429 with Retry-After beyond)")
+    max_resumes: int = Field(
+        DEFAULT_MAX_RESUMES, ge=1,
+        description="cap on resumed reads (GET .../{id}) open at once, over all routers")
     disabled: bool = Field(False, description="refuse new requests (queued ones still run)")
 
     @field_validator("id")

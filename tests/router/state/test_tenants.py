@@ -90,6 +90,7 @@ def test_defaults_are_unlimited_quotas_and_named_caps() -> None:
     assert (tenant.rpm, tenant.tpm, tenant.daily_tokens) == (None, None, None)
     assert (tenant.max_tokens, tenant.max_queued) == (DEFAULT_MAX_TOKENS, DEFAULT_MAX_QUEUED)
     assert set(tenant.to_redis()) == {"weight", "priority", "max_tokens", "max_queued",
+                                      "max_streams", "max_resumes",
                                       "disabled"}
 
 
