@@ -80,6 +80,17 @@ end
 
 local function stat(t, name, by) redis.call('HINCRBY', key('stats', t), name, by or 1) end
 
+-- The fair-share cost of what waits in a tenant's queue (fs:{t}:state queued_cost), kept as
+-- requests enter and leave it, so that the backlog is read in O(tenants), never O(queued);
+-- exact again (0) whenever the queue is empty, so no drift outlives a backlog.
+local function queued_cost(t, delta)
+  if redis.call('LLEN', key('queue', t)) == 0 then
+    redis.call('HSET', key('state', t), 'queued_cost', 0)
+  elseif delta ~= 0 then
+    redis.call('HINCRBY', key('state', t), 'queued_cost', delta)
+  end
+end
+
 -- Counters gathered over a batch, written once per tenant and name at the end.
 local function count(counts, t, name, by)
   counts[t] = counts[t] or {}
@@ -232,6 +243,7 @@ local function requeue(t, rid, r, reason, max_deliveries, now, forgive)
   redis.call('HSET', key('request', t, rid), 'state', 'queued', 'holder', '', 'lease_deadline', '',
              'requeued_ms', now, 'requeue_reason', reason, 'forgiven', forgiven)
   redis.call('LPUSH', key('queue', t), rid)
+  queued_cost(t, tonumber(r.cost))
   shift_tags(t, tenant.priority, -tonumber(r.cost) / tenant.weight)
   mark_ready(t, tenant.priority)
   stat(t, 'requeued')

@@ -1,7 +1,7 @@
 -- admit: accept one request into its tenant's queue, or refuse it, atomically.
 -- KEYS: none passed (standalone Redis; see router/state/keys.py). Reads fs:{t}:tenant, fs:{t}:state,
 --   fs:{t}:queue, fs:{t}:budget:<day>, fs:{t}:req:<id>; writes fs:{t}:req:<id>, fs:{t}:queue,
---   fs:{t}:state (GCRA times), fs:{t}:budget:<day>, fs:{t}:stats, fs:{sched}:ready:<class>,
+--   fs:{t}:state (GCRA times, queued_cost, open_stream), fs:{t}:budget:<day>, fs:{t}:stats, fs:{sched}:ready:<class>,
 --   fs:{sched}:classes.
 -- ARGV: 2 tenant, 3 request id, 4 prompt tokens, 5 max_tokens (per choice), 6 expected output
 --   tokens (per choice), 7 body (opaque), 8 meta (opaque), 9 retry-after ms when the queue is
@@ -92,6 +92,7 @@ redis.call('HSET', rk, 'tenant', t, 'id', rid, 'state', 'queued', 'body', body, 
            'cost', prompt + choices * expected, 'reserved', reserved, 'day', day, 'priority', tenant.priority,
            'created_ms', now, 'deliveries', 0, 'cancel', 0)
 local depth = redis.call('RPUSH', key('queue', t), rid)
+queued_cost(t, prompt + choices * expected)
 redis.call('HSET', rk, 'admit_depth', depth)
 mark_ready(t, tenant.priority)
 stat(t, 'admitted')

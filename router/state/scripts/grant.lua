@@ -3,7 +3,7 @@
 -- queuing by token cost inside the class (the NOTE in router/state/queues.py explains the choice).
 -- KEYS: none passed. Reads and writes fs:{sched}:classes, fs:{sched}:ready:<class>,
 --   fs:{sched}:vtime, fs:{sched}:leases, and of the chosen tenants fs:{t}:queue, fs:{t}:req:<id>,
---   fs:{t}:state (finish tag), fs:{t}:stats; reads fs:{t}:tenant (weight).
+--   fs:{t}:state (finish tag, queued_cost), fs:{t}:stats; reads fs:{t}:tenant (weight).
 -- ARGV: 2 holder id, 3 lease ms, 4 free capacity (slots), 5 most grants to return, 6 the
 --   cluster's total capacity in slots or "" (given: never more leases live than that, however
 --   many dispatchers call at once; the live leases are counted in this same atomic call).
@@ -26,6 +26,7 @@ local grants, warnings, counts = {}, {}, {}
 -- Read once per call, written back once at the end: tenants' settings and finish tags, the
 -- classes' virtual times, the grant counter.
 local tenants, finishes, vtimes = {}, {}, {}
+local dequeued = {}  -- tenant -> the cost granted out of its queue (queued_cost)
 local seq = tonumber(redis.call('HGET', K.vtime, 'grants') or '0')
 
 local function tenant_of(t)
@@ -56,6 +57,7 @@ local function grant_one(t, class, start, rid)
                        'max_tokens', 'created_ms', 'deliveries', 'admit_depth')
   local cost = tonumber(r[2])
   if r[1] ~= 'queued' or cost == nil then return skip_malformed(t, rid, rk, r[1]) end
+  dequeued[t] = dequeued[t] + cost
   vtimes[class] = math.max(vtimes[class] or vtime(class), start)
   local finish = start + cost / tenant_of(t).weight
   finishes[t] = {finish, class}
@@ -126,6 +128,7 @@ local function step(ready)
   end
   local rid = redis.call('LPOP', key('queue', e.t))
   queue_lengths[e.t] = queue_lengths[e.t] - 1
+  dequeued[e.t] = dequeued[e.t] or 0
   local finish = grant_one(e.t, ready.class, e.s, rid)
   if queue_lengths[e.t] == 0 then
     ready:drop(i)
@@ -146,6 +149,7 @@ while #grants < wanted and guard < wanted + 1000 do
   ready:save()
 end
 
+for t, cost in pairs(dequeued) do queued_cost(t, -cost) end
 for t, fc in pairs(finishes) do
   redis.call('HSET', key('state', t), 'vfinish', fmt(fc[1]), 'vclass', fc[2])
 end

@@ -34,3 +34,56 @@ def test_backlog_counts_queued_tokens_and_leases(redis_server, redis_client) -> 
             assert (b_grant.tenant_id, b_grant.weight) == ("b", 1.0)
 
     run(scenario())
+
+
+def test_queued_tokens_are_kept_as_requests_move_and_match_a_scan(redis_url) -> None:
+    """The backlog reads each tenant's queued cost from a counter kept by admit, grant,
+    requeue and cancel (a scrape costs O(tenants), not O(queued requests)); after a random mix
+    of those moves it equals the sum over what the queues hold."""
+    import random
+
+    from router.state import keys
+
+    async def scan(h, tenant_id: str) -> int:
+        ids = [i.decode() for i in await h.client.lrange(keys.queue(tenant_id), 0, -1)]
+        costs = [await h.client.hget(keys.request(tenant_id, rid), "cost") for rid in ids]
+        return sum(int(c) for c in costs)
+
+    async def scenario() -> None:
+        rng = random.Random(7)
+        async with harness(redis_url) as h:
+            await add_tenants(h, Tenant(id="a", max_queued=10_000), Tenant(id="b", weight=3))
+            leases, n = [], 0
+            for _ in range(300):
+                move = rng.random()
+                if move < 0.45:
+                    tenant = rng.choice("ab")
+                    n += 1
+                    await h.queues.admit(make_request(
+                        tenant, f"r{n}", prompt_tokens=rng.randint(1, 50),
+                        max_tokens=rng.randint(1, 40), num_choices=rng.randint(1, 3)))
+                elif move < 0.7:
+                    leases += [g.lease for g in
+                               (await h.queues.grant("d", rng.randint(1, 4))).grants]
+                elif move < 0.85 and leases:
+                    await h.queues.requeue(leases.pop(rng.randrange(len(leases))), "test")
+                else:
+                    tenant = rng.choice("ab")
+                    queued = await h.queues.queued_ids(tenant)
+                    if queued:
+                        await h.queues.cancel(tenant, rng.choice(queued))
+                backlog = {b.tenant_id: b for b in await h.queues.backlog()}
+                for tenant in "ab":
+                    assert backlog[tenant].queued_tokens == await scan(h, tenant), tenant
+            assert n > 100
+            # a scrape's cost does not grow with what waits: Redis counts the commands it ran
+            await h.queues.admit_many([make_request("a", f"bulk{i}") for i in range(2_000)])
+            await h.client.config_resetstat()
+            backlog = {b.tenant_id: b for b in await h.queues.backlog()}
+            assert backlog["a"].num_queued >= 2_000
+            stats = await h.client.info("commandstats")
+            reads = sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0)
+                        for c in ("hget", "hmget", "lrange", "lindex"))
+            assert reads <= 2 * len(backlog), stats
+
+    run(scenario())
