@@ -75,8 +75,10 @@ def _up(args: argparse.Namespace) -> int:
         run_file = settings.state_dir / RUN_FILE
         run_file.write_text(json.dumps({"pid": os.getpid(), "base_url": info.base_url,
                                         "redis_url": info.redis_url,
-                                        "ray_address": info.ray_address}))
-        _print_welcome(info.base_url, info.demo_key, settings.engine.served_model_name)
+                                        "ray_address": info.ray_address,
+                                        "metrics_url": info.metrics_url}))
+        _print_welcome(info.base_url, info.demo_key, settings.engine.served_model_name,
+                       info.metrics_url)
         while not stop.wait(1.0):
             pass
     except KeyboardInterrupt:
@@ -88,7 +90,7 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_welcome(base: str, key: str | None, model: str) -> None:
+def _print_welcome(base: str, key: str | None, model: str, metrics: str) -> None:
     shown_key = key or "<your key: fairserve tenants key-create TENANT>"
     print(f"\nbase URL: {base}\nAPI key:  {shown_key}\n")
     print(f"  curl {base}/chat/completions -H 'Authorization: Bearer {shown_key}' \\\n"
@@ -98,6 +100,8 @@ def _print_welcome(base: str, key: str | None, model: str) -> None:
     print(f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base}', "
           f"api_key='{shown_key}'); print(c.chat.completions.create(model='{model}', "
           f"messages=[{{'role': 'user', 'content': 'Hi!'}}]).choices[0].message.content)\"\n")
+    if metrics:
+        print(f"Prometheus metrics (operators only, not the API's port): {metrics}\n")
     print("Ctrl-C or `fairserve down` stops it.", flush=True)
 
 

@@ -50,6 +50,16 @@ class ClusterInfo:
     redis_url: str
     demo_key: str | None  # the demo tenant's key, when this launcher created or kept it
     ray_address: str = ""  # the GCS address of its Ray cluster (host:port), to join it exactly
+    metrics_url: str = ""  # the routers' /metrics (the operators' port); "" when not served
+
+
+def metrics_url(settings: FairserveSettings) -> str:
+    """Where the routers of this machine serve ``/metrics``; "" when they do not."""
+    api = settings.router.api
+    if api.metrics_port is None:
+        return ""
+    host = "127.0.0.1" if api.metrics_host in ("0.0.0.0", "::") else api.metrics_host
+    return f"http://{host}:{api.metrics_port}/metrics"
 
 
 class LocalCluster:
@@ -98,7 +108,7 @@ class LocalCluster:
             _wait_ready(base, READY_TIMEOUT_S)  # at zero replicas ready means scale-from-zero
         self.progress(f"ready in {time.perf_counter() - started:.1f} s")
         self.info = ClusterInfo(f"{base}/v1", redis_url, demo_key,
-                                ray.get_runtime_context().gcs_address)
+                                ray.get_runtime_context().gcs_address, metrics_url(s))
         return self.info
 
     def stop(self) -> None:

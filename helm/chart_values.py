@@ -382,12 +382,17 @@ class NetworkPolicy(_Values):
                           "other ports only within the release; the API from networkPolicy.apiFrom.")
     apiFrom: list[KubeObject] = Field(default_factory=list, description="Peers allowed to reach "
                                       "the API (port 8000); empty: any.")
+    metricsFrom: list[KubeObject] = Field(
+        default_factory=list, description="Peers allowed to scrape metrics (Ray's 8080, "
+        "fairserve's fairserve.router.api.metrics_port), e.g. the monitoring namespace; empty: "
+        "any. The tenants' API port never serves them.")
     kuberayOperator: OperatorPeer = Field(default_factory=OperatorPeer)
 
 
 class PodMonitor(_Values):
     enabled: bool = Field(False, description="A PodMonitor (Prometheus Operator) for the Ray "
-                          "pods' metrics port (8080), fairserve's own metrics included.")
+                          "pods' metrics port (8080) and fairserve's own (fs-metrics, "
+                          "fairserve.router.api.metrics_port).")
     interval: str = Field("15s", description="Scrape interval.")
     labels: dict[str, str] = Field(default_factory=dict, description="Extra labels (to match "
                                    "your Prometheus's selector).")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from router.state import keys
+
 
 class QueueSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -22,6 +24,11 @@ class QueueSettings(BaseModel):
     queue_full_retry_after_ms: int = Field(
         1_000, ge=0, le=600_000, description="Retry-After sent when a tenant's queue is full"
     )
+    resume_window_s: int = Field(
+        keys.RESUME_WINDOW_S, ge=60, le=keys.IDEMPOTENCY_TTL_S,
+        description="how long an ended request can still be read (resume, Idempotency-Key "
+        "replay): its record and its stream expire together then; an Idempotency-Key is "
+        "remembered 24 h, so a later retry gets a 409, never a second run")
 
 
 class ApiSettings(BaseModel):
@@ -44,6 +51,13 @@ class ApiSettings(BaseModel):
         description="a request whose client went away goes on this long (the client may "
         "resume it), then is cancelled and refunded; 0: at once",
     )
+    metrics_host: str = Field(
+        "127.0.0.1", description="address each router serves GET /metrics on: the operators' "
+        "port, never the tenants' (the exposition names every tenant); the Helm chart: 0.0.0.0, "
+        "reached by its PodMonitor only")
+    metrics_port: int | None = Field(
+        9464, ge=1, le=65535, description="port of /metrics; the routers of one machine share "
+        "it (SO_REUSEPORT) and any answers with the whole cluster's metrics; null: not served")
     max_n: int = Field(
         8, ge=1, le=128,
         description="most choices (OpenAI's n) one request may ask for; each is a sequence in "

@@ -75,6 +75,15 @@ class IdempotencyKeyReusedError(RouterError):
     code = "idempotency_key_reused"
 
 
+class IdempotencyKeyExpiredError(RouterError):
+    """An Idempotency-Key sent again after its request's result stopped being kept: the key is
+    remembered longer (so the request never runs twice), the result is not."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "idempotency_key_expired"
+
+
 class RequestTooLargeError(RouterError):
     """The request alone exceeds a limit that time will not lift (TPM, daily budget)."""
 

@@ -40,6 +40,9 @@ class AdmitRequest:
     # the same call, counted against the tenant's max_streams; None: nobody reads it yet
     reader: Reader | None = None
     reader_lease_end_ms: int = 0  # when its lease runs out unless renewed (epoch ms)
+    # the id comes from an Idempotency-Key: its body's digest outlives the record
+    # (keys.IDEMPOTENCY_TTL_S), so a retry after the resume window is told so, never run again
+    is_idempotent: bool = False
 
 
 @dataclass(frozen=True, slots=True)

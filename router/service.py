@@ -56,6 +56,7 @@ from router.telemetry.metrics import (
     autoscaler_state,
     exposition,
 )
+from router.telemetry.metrics_server import MetricsServer
 from router.telemetry.tracing import OFF, Tracing, carrier, decode_meta, encode_meta, now_ns
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class RouterService:
         self.api = options.api
         self.tracing = options.tracing
         self.tokenizer = PromptTokenizer(model)
-        scripts = Scripts(client)
+        scripts = Scripts(client, resume_window_s=options.queues.resume_window_s)
         self.api_keys = ApiKeys(scripts)
         self.queues = TenantQueues(scripts, options.queues)
         self.mux = StreamMux(client)
@@ -118,15 +119,22 @@ class RouterService:
                                                                  (tenant, reason)))
         self.holder = holder
         self._tasks: list[asyncio.Task[None]] = []
+        self.metrics_server = (MetricsServer(self.metrics_exposition, self.api.metrics_host,
+                                             self.api.metrics_port)
+                               if self.api.metrics_port is not None else None)
 
     async def start(self) -> None:
         self.mux.start()
+        if self.metrics_server is not None:
+            await self.metrics_server.start()
         self._tasks = [asyncio.create_task(self.dispatcher.run(), name="dispatcher"),
                        asyncio.create_task(self._listen_for_wakes(), name="wake listener"),
                        asyncio.create_task(self._publish_metrics(), name="metrics"),
                        asyncio.create_task(self.readers.run(), name="reader leases")]
 
     async def stop(self) -> None:
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -169,7 +177,8 @@ class RouterService:
         reader = self.readers.new(principal.tenant_id, request_id, ReaderKind.STREAM)
         admission = await self.queues.admit(AdmitRequest(
             principal.tenant_id, request_id, len(prompt_ids), max_tokens, body, meta,
-            num_choices=request.n, reader=reader, reader_lease_end_ms=lease_end_ms()))
+            num_choices=request.n, reader=reader, reader_lease_end_ms=lease_end_ms(),
+            is_idempotent=idempotency_key is not None))
         if admission.is_duplicate:  # a retry joins the request: a reader of its own
             await self.readers.attach(reader)
         else:
@@ -327,7 +336,8 @@ class RouterService:
     # ---- metrics ----
 
     async def metrics_exposition(self) -> bytes:
-        """``/metrics``: every live router's counts added up, and the cluster's state."""
+        """``/metrics`` (``MetricsServer``): every live router's counts added up, and the
+        cluster's state."""
         members = cast(set[bytes], await self.client.smembers(keys.metrics_routers()))
         routers = [h for h in (m.decode() for m in members) if h != self.holder]
         snapshots = await self.client.mget([keys.router_metrics(h) for h in routers]) \

@@ -30,9 +30,8 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -138,11 +137,6 @@ def build_api(service: RouterService) -> FastAPI:
     async def ready() -> JSONResponse:
         state = await service.readiness()
         return JSONResponse(state, status_code=200 if state["ready"] else 503)
-
-    @app.get("/metrics", summary="Prometheus metrics of the whole cluster",
-             response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
-    async def metrics() -> Response:
-        return Response(await service.metrics_exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]})
     async def models(authorization: ApiKey) -> dict[str, Any]:

@@ -180,7 +180,7 @@ class StreamMux:
 
     async def _is_gone(self, request_key: str, stream_key: str) -> bool:
         """No stream, and none to come: the request is unknown, or it ended and its stream
-        expired (``keys.STREAM_ENDED_TTL_S``; the request's record outlives it)."""
+        expired (``queues.resume_window_s``, with the request's record)."""
         if await self.client.exists(stream_key):
             return False
         state = cast(bytes | None, await self.client.hget(request_key, "state"))

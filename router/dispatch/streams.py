@@ -6,7 +6,7 @@ another writer is named, so neither a stale dispatcher nor a replica it gave up 
 duplicate token); the request's end (complete, cancel while queued,
 dead-letter) appends the terminal event in the same script. A reader blocks on the stream and
 can resume from the last event id it saw; a finished stream expires after
-``keys.STREAM_ENDED_TTL_S``, an idle one after ``keys.STREAM_IDLE_TTL_S``.
+``queues.resume_window_s``, an idle one after ``keys.STREAM_IDLE_TTL_S``.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from typing import Any, NoReturn, cast
 from router.config import QueueSettings
 from router.errors import (
     MAX_TOKENS_OVER_TENANT_CAP,
+    IdempotencyKeyExpiredError,
     IdempotencyKeyReusedError,
     InvalidRequestError,
     LeaseLostError,
@@ -127,7 +128,8 @@ class TenantQueues:
         reader = request.reader
         return (request.tenant_id, request.request_id, request.prompt_tokens, request.max_tokens,
                 expected, request.body, request.meta, self.settings.queue_full_retry_after_ms,
-                request.num_choices, reader.reader_id if reader else "", request.reader_lease_end_ms)
+                request.num_choices, reader.reader_id if reader else "",
+                request.reader_lease_end_ms, "1" if request.is_idempotent else "")
 
     # ---- grants and leases ----
 
@@ -310,6 +312,11 @@ def _admission(request: AdmitRequest, reply: list[Any]) -> Admission:
         return Admission(request.request_id, RequestState.QUEUED, False, int(reply[1]))
     if verdict == "duplicate":
         return Admission(request.request_id, RequestState(reply[1].decode()), True, None)
+    if verdict == "expired":
+        raise IdempotencyKeyExpiredError(
+            f"the request with this Idempotency-Key ({request.request_id!r}) ended more than "
+            "the resume window ago: its result is no longer kept, and it is not run again; "
+            "send it with a new key to run it again", param="Idempotency-Key")
     if verdict == "conflict":
         raise IdempotencyKeyReusedError(
             f"request id {request.request_id!r} (an Idempotency-Key) was already used for a "

@@ -40,22 +40,22 @@ class Script(enum.StrEnum):
     READERS = "readers"
 
 
-def _lua_constants() -> str:
+def _lua_constants(overrides: dict[str, str | int] | None = None) -> str:
     """``K``: every constant by name, as a Lua string (Redis converts a Lua number argument with
     snprintf, which cost as much as the command it was passed to); ``KP``: each key template
     split at its ``%s`` placeholders, for ``key()`` in ``_lib.lua`` to join (a concatenation is
     a few times cheaper than string.format)."""
-    constants = ", ".join(f"{name} = {json.dumps(str(value))}"
-                          for name, value in keys.SCRIPT_CONSTANTS.items())
+    values = {**keys.SCRIPT_CONSTANTS, **(overrides or {})}
+    constants = ", ".join(f"{name} = {json.dumps(str(value))}" for name, value in values.items())
     parts = ", ".join(f"{name} = {{{', '.join(json.dumps(p) for p in value.split('%s'))}}}"
                       for name, value in keys.SCRIPT_CONSTANTS.items()
                       if isinstance(value, str) and "%s" in value)
     return f"local K = {{{constants}}}\nlocal KP = {{{parts}}}\n"
 
 
-def script_source(script: Script) -> str:
+def script_source(script: Script, overrides: dict[str, str | int] | None = None) -> str:
     folder = resources.files("router.state") / "scripts"
-    return (_lua_constants() + (folder / "_lib.lua").read_text() + "\n"
+    return (_lua_constants(overrides) + (folder / "_lib.lua").read_text() + "\n"
             + (folder / f"{script.value}.lua").read_text())
 
 
@@ -67,10 +67,14 @@ Clock = Callable[[], int] | None
 class Scripts:
     """Runs fairserve's scripts on one async Redis client."""
 
-    def __init__(self, client: aioredis.Redis, clock: Clock = None) -> None:
+    def __init__(self, client: aioredis.Redis, clock: Clock = None,
+                 resume_window_s: int = keys.RESUME_WINDOW_S) -> None:
+        """``resume_window_s``: how long an ended request's record and stream are kept (the
+        scripts that end requests write it; ``queues.resume_window_s``)."""
         self.client = client
         self.clock = clock
-        self._sources = {script: script_source(script) for script in Script}
+        overrides = {"resume_window_s": resume_window_s}
+        self._sources = {script: script_source(script, overrides) for script in Script}
         self._shas: dict[Script, str] = {}
 
     def _argv(self, args: tuple[Any, ...]) -> list[Any]:

@@ -37,6 +37,11 @@ def start(tmp_path: Path, settings: dict[str, Any]) -> tuple[UpProcess, str, str
     return up, run["base_url"], key, run["redis_url"]
 
 
+def metrics_url(up: UpProcess) -> str:
+    """Where the cluster of ``fairserve up`` serves ``/metrics`` (its run state says)."""
+    return json.loads((up.state_dir / "run.json").read_text())["metrics_url"]
+
+
 def pids_titled(title: str, under: int | None) -> list[int]:
     """Processes whose command line (Ray's process title) contains ``title`` and that descend
     from process ``under`` (the test's ``fairserve up``: its Ray and Redis are its children),

@@ -17,12 +17,14 @@ from tests.chaos.factories import (
     REPLICA_TITLE,
     StreamResult,
     kill,
+    metrics_url,
     pids_titled,
     start,
     stream_chat,
     wait_for_tokens,
 )
 from tests.chaos.test_migration import MAX_TOKENS, NUM_STREAMS, bodies, references, settings
+from tests.cluster.factories import UpProcess
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.e2e]
 
@@ -37,8 +39,8 @@ def hang_settings() -> dict:
     return base
 
 
-def migrations(base: str) -> float:
-    text = httpx.get(base.removesuffix("/v1") + "/metrics", timeout=30).text
+def migrations(up: UpProcess) -> float:
+    text = httpx.get(metrics_url(up), timeout=30).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("fairserve_migrations_total"))
 
@@ -71,7 +73,7 @@ def test_sigstop_of_a_replica_moves_its_streams_and_a_long_prefill_does_not(tmp_
         assert reply.status_code == 200, reply.text
         assert time.monotonic() - started > 1.5 * STALL_TIMEOUT_S  # the silence was long
         assert reply.json()["usage"]["prompt_tokens"] > 4000
-        assert migrations(base) == 0
+        assert migrations(up) == 0
 
         expected = asyncio.run(references(base, key))
         results = asyncio.run(freeze_a_replica(base, key, up.process.pid))
@@ -80,6 +82,6 @@ def test_sigstop_of_a_replica_moves_its_streams_and_a_long_prefill_does_not(tmp_
             assert result.num_done == 1 and result.finish_reasons == ["length"], (i, result)
             assert result.text == text, (i, result.text, text)
             assert result.usage["completion_tokens"] == MAX_TOKENS, (i, result.usage)
-        assert migrations(base) >= 1
+        assert migrations(up) >= 1
     finally:
         up.stop()

@@ -17,6 +17,7 @@ from tests.chaos.factories import (
     REPLICA_TITLE,
     StreamResult,
     kill,
+    metrics_url,
     pids_titled,
     start,
     stream_chat,
@@ -98,7 +99,7 @@ def test_kill_9_of_a_replica_under_16_streams_is_invisible_to_clients(tmp_path,
         results, victim = asyncio.run(kill_a_replica_under_load(base, key, up.process.pid))
         check(results, expected)
         assert victim not in pids_titled(REPLICA_TITLE, up.process.pid)  # it really died
-        metrics = httpx.get(base.removesuffix("/v1") + "/metrics", timeout=30).text
+        metrics = httpx.get(metrics_url(up), timeout=30).text
         migrated = [line for line in metrics.splitlines()
                     if line.startswith("fairserve_migrations_total")]
         assert migrated and sum(float(line.rsplit(" ", 1)[1]) for line in migrated) >= 1

@@ -64,6 +64,7 @@ class UpProcess(ForegroundProcess):
             [sys.executable, "-m", "cluster.cli", "up", "--state-dir", str(state_dir),
              "--port", str(self.port), *args],
             env={**os.environ, "FAIRSERVE_REDIS__PORT": str(free_port()),
+                 "FAIRSERVE_ROUTER__API__METRICS_PORT": str(free_port()),
                  "FAIRSERVE_RAY__NUM_CPUS": "2", "FAIRSERVE_ENGINE__NUM_THREADS": "1",
                  **(env or {})})
 

@@ -34,6 +34,7 @@ class E2ECluster:
     base_url: str
     redis_url: str
     demo_key: str
+    metrics_url: str  # the routers' /metrics, on the operators' port
 
     def client(self, key: str | None = None, **kwargs: Any) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base_url, api_key=key or self.demo_key,
@@ -96,7 +97,7 @@ def start_cluster(state_dir: Path) -> E2ECluster:
         replicas={"num_replicas": NUM_REPLICAS, "num_cpus": 0.5,
                   "max_ongoing_requests": SLOTS_PER_REPLICA, "graceful_shutdown_timeout_s": 5},
         router={"num_replicas": 2, "num_cpus": 0.25, "port": free_port(),
-                "api": {"detach_grace_s": 5.0}},
+                "api": {"detach_grace_s": 5.0, "metrics_port": free_port()}},
         redis={"port": free_port()},
         ray={"num_cpus": 2},
     )
@@ -107,4 +108,4 @@ def start_cluster(state_dir: Path) -> E2ECluster:
         launcher.stop()
         raise
     assert info.demo_key is not None, "a fresh cluster creates the demo tenant"
-    return E2ECluster(launcher, info.base_url, info.redis_url, info.demo_key)
+    return E2ECluster(launcher, info.base_url, info.redis_url, info.demo_key, info.metrics_url)

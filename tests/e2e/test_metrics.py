@@ -15,8 +15,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def _scrape(e2e: E2ECluster) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    root = e2e.base_url.removesuffix("/v1")
-    response = httpx.get(f"{root}/metrics", timeout=30)
+    response = httpx.get(e2e.metrics_url, timeout=30)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     out = {}
@@ -85,3 +84,13 @@ def test_server_timing_says_where_the_time_went(e2e: E2ECluster) -> None:
     assert usage["timings_ms"] == {"queue": timing["queue"],
                                    "engine_queue": timing["engine-queue"],
                                    "prefill": timing["prefill"], "decode": timing["decode"]}
+
+
+def test_metrics_are_served_to_operators_not_on_the_tenants_port(e2e: E2ECluster) -> None:
+    """The exposition names every tenant: it is on its own port, never the API's."""
+    root = e2e.base_url.removesuffix("/v1")
+    assert httpx.get(f"{root}/metrics", timeout=30).status_code == 404
+    assert httpx.get(f"{root}/metrics", timeout=30,
+                     headers={"Authorization": f"Bearer {e2e.demo_key}"}).status_code == 404
+    assert not e2e.metrics_url.startswith(root + "/")
+    assert "fairserve_queue_depth" in httpx.get(e2e.metrics_url, timeout=30).text

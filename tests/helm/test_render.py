@@ -267,6 +267,33 @@ def test_network_policies_keep_redis_and_the_dashboard_closed() -> None:
                        "NetworkPolicy")
 
 
+def test_fairserve_metrics_are_on_their_own_port_for_the_pod_monitor_only() -> None:
+    """/metrics names every tenant: the routers serve it on router.api.metrics_port, never the
+    API's 8000; the pods name that port, the PodMonitor scrapes it, the NetworkPolicy lets only
+    networkPolicy.metricsFrom reach it, and the Service for clients does not carry it."""
+    monitoring = [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}]
+    docs = render(values_of(None, metrics={"podMonitor": {"enabled": True}},
+                            networkPolicy={"metricsFrom": monitoring}))
+    settings = serve_config(docs)["applications"][0]["args"]["settings"]
+    assert settings["router"]["api"]["metrics_host"] == "0.0.0.0"
+    port = settings["router"]["api"]["metrics_port"]
+    assert port == 9464
+    spec = rayservice(docs)["spec"]["rayClusterConfig"]
+    for pod in [spec["headGroupSpec"]] + spec["workerGroupSpecs"]:
+        ports = pod["template"]["spec"]["containers"][0]["ports"]
+        assert {"name": "fs-metrics", "containerPort": port} in ports
+    endpoints = of_kind(docs, "PodMonitor")[0]["spec"]["podMetricsEndpoints"]
+    assert [e["port"] for e in endpoints] == ["metrics", "fs-metrics"]
+    _, ray_np = of_kind(docs, "NetworkPolicy")
+    rule = next(r for r in ray_np["spec"]["ingress"]
+                if {"protocol": "TCP", "port": port} in r.get("ports", []))
+    assert rule["from"] == monitoring
+    assert {"protocol": "TCP", "port": 8000} not in rule["ports"]
+    for service in of_kind(docs, "Service"):
+        assert port not in [p.get("port") for p in service["spec"].get("ports", [])]
+
+
 def test_monitoring_tenants_model_pvc_and_helm_test() -> None:
     docs = render(values_of("hardened"), with_tests=True)
     assert of_kind(docs, "PodMonitor")[0]["metadata"]["labels"]["release"] == "prometheus"

@@ -141,6 +141,7 @@ imagePullSecrets:
 {{- $_ := set $s.router "resources" (dict "fairserve_router" 1) -}}
 {{- $_ := set $s.router "host" "0.0.0.0" -}}
 {{- $_ := set $s.router "port" 8000 -}}
+{{- $_ := set $s.router.api "metrics_host" "0.0.0.0" -}}{{/* the pod's port: PodMonitor, NetworkPolicy */}}
 {{- $_ := set $s "redis" (dict "url" (include "fairserve.redisUrl" .)) -}}
 {{- if .Values.tenants.existingSecret -}}
 {{- $_ := set $s "tenants" (dict "file" "/etc/fairserve/tenants/tenants.yaml" "create_demo" false) -}}

@@ -139,9 +139,15 @@ spec:
         - {name: client, containerPort: 10001}
         - {name: serve, containerPort: 8000}
         - {name: metrics, containerPort: 8080}
+        {{- with $v.fairserve.router.api.metrics_port }}
+        - {name: fs-metrics, containerPort: {{ . }}}
+        {{- end }}
       {{- else }}
       ports:
         - {name: metrics, containerPort: 8080}
+        {{- with $v.fairserve.router.api.metrics_port }}
+        - {name: fs-metrics, containerPort: {{ . }}}
+        {{- end }}
       {{- end }}
       volumeMounts:
         - name: tmp

@@ -201,14 +201,14 @@ local function end_unserved(t, rid, tenant, r, new_state, reason, now)
   redis.call('HSET', rk, 'state', new_state, 'finished_ms', now, 'end_reason', reason,
              'holder', '', 'lease_deadline', '')
   redis.call('HDEL', rk, 'body')  -- never to be served: its prompt is not needed any more
-  redis.call('EXPIRE', rk, K.result_ttl_s)
+  redis.call('EXPIRE', rk, K.resume_window_s)
   if new_state == 'dead' then
     local dk = key('dead', t)
     redis.call('ZADD', dk, now, rid)
     redis.call('EXPIRE', dk, K.dead_ttl_s)
   end
   end_stream(t, rid, new_state == 'dead' and 'error' or 'end',
-             cjson.encode({outcome = new_state, reason = reason}), K.stream_ended_ttl_s)
+             cjson.encode({outcome = new_state, reason = reason}), K.resume_window_s)
   stat(t, new_state)
 end
 

@@ -7,11 +7,14 @@
 --   tokens (per choice), 7 body (opaque), 8 meta (opaque), 9 retry-after ms when the queue is
 --   full, 10 choices (n; the output is reserved and costed n times, the prompt once), 11 the
 --   id of the client's reader (its stream, or its wait for the answer; "" for none) and 12 its
---   lease end (ms): the admitted request is attached to it, counted against max_streams.
+--   lease end (ms): the admitted request is attached to it, counted against max_streams, 13 "1"
+--   when the id comes from an Idempotency-Key (its body's digest is kept K.idempotency_ttl_s,
+--   longer than the record).
 -- Returns one of
 --   {"admitted", queue depth after the push}
 --   {"duplicate", state}                  the id is known and its body is the same: no second copy
 --   {"conflict", state}                   the id is known with another body
+--   {"expired"}                           the id's request ended and its record expired
 --   {"refused", reason, retry-after ms}   reason: disabled, queue_full, streams, rpm, tpm,
 --                                         daily_budget
 --   {"too_large", reason, limit}          the request alone exceeds max_tokens, tpm or daily_budget
@@ -29,6 +32,14 @@ local known = redis.call('HMGET', rk, 'state', 'body_sha1')
 if known[1] then
   if known[2] ~= digest then return {'conflict', known[1]} end
   return {'duplicate', known[1]}
+end
+local ik = ARGV[13] == '1' and key('idempotency', t, rid)
+if ik then
+  local seen = redis.call('GET', ik)
+  if seen then
+    if seen ~= digest then return {'conflict', 'expired'} end
+    return {'expired'}
+  end
 end
 
 local tenant, err = load_tenant(t, true)
@@ -97,4 +108,5 @@ redis.call('HSET', rk, 'admit_depth', depth)
 mark_ready(t, tenant.priority)
 stat(t, 'admitted')
 if reader ~= '' then attach_reader(t, rid, tenant, reader, 'stream', tonumber(ARGV[12])) end
+if ik then redis.call('SET', ik, digest, 'EX', K.idempotency_ttl_s) end
 return {'admitted', depth}

@@ -33,9 +33,9 @@ for i = 0, n - 1 do
     redis.call('HSET', rk, 'state', outcome, 'finished_ms', now_s, 'finish_reason', ARGV[b + 7],
                'prompt_tokens_used', ARGV[b + 5], 'output_tokens_used', ARGV[b + 6])
     redis.call('HDEL', rk, 'body')  -- served: its prompt and sampling are never read again
-    redis.call('EXPIRE', rk, K.result_ttl_s)
+    redis.call('EXPIRE', rk, K.resume_window_s)
     redis.call('ZREM', K.leases, t .. ' ' .. rid)
-    end_stream(t, rid, 'end', ARGV[b + 8], K.stream_ended_ttl_s)
+    end_stream(t, rid, 'end', ARGV[b + 8], K.resume_window_s)
     count(counts, t, outcome)
     count(counts, t, 'prompt_tokens', prompt_used)
     count(counts, t, 'output_tokens', output_used)

@@ -47,7 +47,7 @@ local function skip_malformed(t, rid, rk, state)
     redis.call('HDEL', rk, 'body')
     redis.call('ZADD', key('dead', t), now, rid)
     end_stream(t, rid, 'error', cjson.encode({outcome = 'dead', reason = 'malformed'}),
-               K.stream_ended_ttl_s)
+               K.resume_window_s)
   end
 end
 

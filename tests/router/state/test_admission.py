@@ -259,3 +259,49 @@ def test_n_choices_reserve_and_cost_the_output_n_times_the_prompt_once(redis_url
             assert refund == 3 * 40
 
     run(scenario())
+
+
+def test_an_ended_request_keeps_one_window_then_only_its_key_digest(redis_url) -> None:
+    """The record and the stream of an ended request expire together, after the resume window
+    (settable); past it an Idempotency-Key's retry is a 409 that runs nothing, for 24 h, kept
+    by a digest of ~0.1 KB, and a request without a key leaves nothing at all."""
+    from router.errors import IdempotencyKeyExpiredError
+    from router.state.scripts import Scripts
+    from tests.router.factories import Harness
+
+    async def scenario() -> None:
+        async with harness(redis_url) as base:
+            h = Harness(base.client, Scripts(base.client, resume_window_s=120), base.tenants,
+                        base.api_keys, base.queues, base.streams)
+            h.queues.scripts = h.scripts
+            await add_tenants(h, Tenant(id="acme"))
+            keyed = make_request("acme", "chatcmpl-idem-1", is_idempotent=True)
+            await h.queues.admit(keyed)
+            await h.queues.admit(make_request("acme", "plain"))
+            for grant in (await h.queues.grant("d", 2)).grants:
+                await h.queues.complete(grant.lease, 10, 3, "stop", "{}")
+            for rid in ("chatcmpl-idem-1", "plain"):
+                record_ttl = await h.client.ttl(keys.request("acme", rid))
+                stream_ttl = await h.client.ttl(keys.stream("acme", rid))
+                assert 110 < record_ttl <= 120 and abs(record_ttl - stream_ttl) <= 1, rid
+            digest = keys.idempotency("acme", "chatcmpl-idem-1")
+            assert 86_000 < await h.client.ttl(digest) <= keys.IDEMPOTENCY_TTL_S
+            assert not await h.client.exists(keys.idempotency("acme", "plain"))
+            # within the window a retry joins the ended request
+            assert (await h.queues.admit(keyed)).state == RequestState.COMPLETED
+            # the window ends: what expires with it is gone
+            await h.client.delete(*[k(t, r) for k in (keys.request, keys.stream)
+                                    for t, r in (("acme", "chatcmpl-idem-1"), ("acme", "plain"))])
+            left = sorted(k.decode() for k in await h.client.keys("*idem-1*"))
+            assert left == [digest]
+            assert await h.client.memory_usage(digest) <= 200
+            assert not await h.client.keys("*plain*")
+            with pytest.raises(IdempotencyKeyExpiredError) as err:
+                await h.queues.admit(keyed)
+            assert err.value.status == 409 and err.value.param == "Idempotency-Key"
+            with pytest.raises(IdempotencyKeyReusedError):
+                await h.queues.admit(make_request("acme", "chatcmpl-idem-1", max_tokens=7,
+                                                  is_idempotent=True))
+            assert await h.queues.depth("acme") == 0  # nothing ran again
+
+    run(scenario())

@@ -135,7 +135,7 @@ def test_stream_resumes_from_the_last_event_id(redis_url) -> None:
             assert [e.data for e in events] == ["a", "b", "c", '{"usage": 13}']
             resumed = [e async for e in h.streams.read("acme", "r", after=events[1].event_id)]
             assert [e.data for e in resumed] == ["c", '{"usage": 13}']
-            assert 0 < await h.client.ttl(keys.stream("acme", "r")) <= keys.STREAM_ENDED_TTL_S
+            assert 0 < await h.client.ttl(keys.stream("acme", "r")) <= keys.RESUME_WINDOW_S
             with pytest.raises(NotFoundError):  # other tenants' request ids are invisible
                 async for _ in h.streams.read("beta", "r"):
                     pass
