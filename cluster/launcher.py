@@ -179,8 +179,7 @@ class LocalCluster:
             store = TenantStore(scripts)
             if s.tenants.file is not None:
                 result = await load_tenants(scripts, load_tenants_file(s.tenants.file))
-                self.progress(f"tenants from {s.tenants.file}: {result.num_created} created, "
-                              f"{result.num_updated} updated, {result.num_keys_added} keys added")
+                self.progress(f"tenants from {s.tenants.file}: {result.summary}")
             if not s.tenants.create_demo:
                 return None
             key_file = s.state_dir / DEMO_KEY_FILE

@@ -72,8 +72,6 @@ async def _prepare_redis(settings: FairserveSettings, redis_url: str) -> None:
         await wait_loaded(client, REDIS_WAIT_S, progress=lambda line: logger.info("%s", line))
         if settings.tenants.file is not None:
             result = await load_tenants(Scripts(client), load_tenants_file(settings.tenants.file))
-            logger.info("tenants from %s: %d created, %d updated, %d keys added",
-                        settings.tenants.file, result.num_created, result.num_updated,
-                        result.num_keys_added)
+            logger.info("tenants from %s: %s", settings.tenants.file, result.summary)
     finally:
         await client.aclose()

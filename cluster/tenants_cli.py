@@ -280,8 +280,7 @@ async def _load(admin: Admin, args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"cannot read {args.path}: {exc.strerror or exc}",
                                   param="path") from None
     result = await load_tenants(admin.tenants.scripts, document)
-    print(f"loaded {len(document.tenants)} tenants from {args.path}: {result.num_created} "
-          f"created, {result.num_updated} updated; {result.num_keys_added} API keys added")
+    print(f"loaded {len(document.tenants)} tenants from {args.path}: {result.summary}")
     return 0
 
 

@@ -11,7 +11,9 @@ Layout (prefix ``fs``):
   (STRING, the body digest of a request sent with an Idempotency-Key), ``fs:{t}:budget:<day>``
   (STRING, tokens reserved or charged on one UTC day), ``fs:{t}:dead`` (ZSET of dead-lettered
   ids), ``fs:{t}:stats`` (HASH of counters);
-- global: ``fs:tenants`` (SET of tenant ids), ``fs:apikey:<digest>`` (HASH, one API key, found
+- global: ``fs:tenants`` (SET of tenant ids), ``fs:tenants:file`` (HASH tenant id -> what the
+  tenants file last applied to it: its settings and key ids, JSON; one entry per tenant the file
+  owns, kept while it owns it), ``fs:apikey:<digest>`` (HASH, one API key, found
   by the SHA-256 digest of the key), and the scheduler under the hash tag ``{sched}``:
   ``fs:{sched}:classes`` (ZSET of priority classes with backlog), ``fs:{sched}:ready:<class>``
   (ZSET tenant -> start tag of its head request), ``fs:{sched}:vtime`` (HASH class -> virtual
@@ -72,6 +74,7 @@ _TEMPLATES: dict[str, str] = {
     "dead": PREFIX + ":{%s}:dead",
     "stats": PREFIX + ":{%s}:stats",
     "tenants": PREFIX + ":tenants",
+    "file_tenants": PREFIX + ":tenants:file",
     "api_key": PREFIX + ":apikey:%s",
     "classes": PREFIX + ":{sched}:classes",
     "ready": PREFIX + ":{sched}:ready:%s",
@@ -170,6 +173,10 @@ def stats(tenant_id: str) -> str:
 
 def tenants() -> str:
     return _TEMPLATES["tenants"]
+
+
+def file_tenants() -> str:
+    return _TEMPLATES["file_tenants"]
 
 
 def api_key(digest_hex: str) -> str:

@@ -20,13 +20,15 @@ Limits left unset are unlimited. Tenants can be loaded from a YAML file::
 
 A file with ``api_keys`` is how a deployment bootstraps its tenants and keys from a Kubernetes
 Secret without a secret ever being written down: ``fairserve tenants key-new ID`` makes a key
-and prints the entry with its digest (``cluster/tenants_cli.py``). Loading is idempotent:
-tenants are upserted, a key already there is left alone, a key id or digest taken by another
-key is a conflict.
+and prints the entry with its digest (``cluster/tenants_cli.py``). Loading reconciles
+(``load_tenants``): the tenants the file lists follow the file's changes, CLI changes to other
+fields stick, keys the file drops are revoked, a tenant it drops is disabled; a key id or digest
+taken by another key is a conflict.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass
@@ -202,18 +204,86 @@ def load_tenants_file(path: str | Path) -> TenantsDocument:
 @dataclass(frozen=True, slots=True)
 class LoadResult:
     num_created: int
-    num_updated: int
+    num_updated: int  # tenants whose file entry changed since the last load
     num_keys_added: int
+    num_unchanged: int = 0  # tenants whose file entry did not change: left as they are
+    num_keys_revoked: int = 0  # keys the file no longer lists
+    num_released: int = 0  # tenants the file no longer lists: disabled, their file keys revoked
+
+    @property
+    def summary(self) -> str:
+        return (f"{self.num_created} created, {self.num_updated} updated, {self.num_unchanged} "
+                f"unchanged, {self.num_released} no longer in the file (disabled); "
+                f"{self.num_keys_added} API keys added, {self.num_keys_revoked} revoked")
 
 
 async def load_tenants(scripts: Scripts, document: TenantsDocument) -> LoadResult:
-    """Upsert the tenants of a document, then add its keys (those there already stay)."""
-    created, updated = await TenantStore(scripts).load(document.tenants)
-    api_keys = ApiKeys(scripts)
-    added = 0
+    """Reconcile Redis with a tenants file, as ``kubectl apply`` does with its last-applied
+    configuration (``keys.file_tenants``: what the file last set on each tenant it owns):
+
+    - a tenant of the file is created if missing; otherwise each setting the file changed since
+      its last load is applied, and every other one is left as it is, so a change made with the
+      CLI (``tenants set --disabled``) sticks across redeploys until the file changes that field;
+    - its keys in the file are added; a key the file listed before and lists no more is revoked
+      (keys made with the CLI are not the file's, and are left alone);
+    - a tenant the file owned and no longer lists is disabled (what it has queued still runs)
+      and its file keys are revoked;
+    - tenants the file never listed are not touched.
+    """
+    client: aioredis.Redis = scripts.client
+    store, api_keys = TenantStore(scripts), ApiKeys(scripts)
+    raw = cast(dict[bytes, bytes], await client.hgetall(keys.file_tenants()))
+    owned = {k.decode(): json.loads(v) for k, v in raw.items()}
+    file_keys: dict[str, list[TenantKey]] = {}
     for tenant_id, key in document.api_keys:
-        added += await api_keys.add_digest(tenant_id, key.id, key.sha256, key.label)
-    return LoadResult(created, updated, added)
+        file_keys.setdefault(tenant_id, []).append(key)
+    created = updated = unchanged = added = revoked = released = 0
+    for tenant in document.tenants:
+        applied = {"settings": tenant.model_dump(mode="json", exclude={"id"}),
+                   "keys": sorted(k.id for k in file_keys.get(tenant.id, []))}
+        last = owned.pop(tenant.id, None)
+        outcome = await _apply(store, tenant, last["settings"] if last else None)
+        created += outcome == "created"
+        updated += outcome == "updated"
+        unchanged += outcome == "unchanged"
+        for key in file_keys.get(tenant.id, []):
+            added += await api_keys.add_digest(tenant.id, key.id, key.sha256, key.label)
+        revoked += await _revoke(api_keys, tenant.id,
+                                 set(last["keys"] if last else []) - set(applied["keys"]))
+        await client.hset(keys.file_tenants(), tenant.id, json.dumps(applied))
+    for tenant_id, last in owned.items():
+        revoked += await _revoke(api_keys, tenant_id, set(last["keys"]))
+        with contextlib.suppress(NotFoundError):
+            await store.update(tenant_id, disabled=True)
+        await client.hdel(keys.file_tenants(), tenant_id)
+        released += 1
+    return LoadResult(created, updated, added, unchanged, revoked, released)
+
+
+async def _apply(store: TenantStore, tenant: Tenant, last: dict[str, Any] | None) -> str:
+    """A file's tenant onto Redis: "created", "updated" (the fields the file changed since
+    ``last``, what it applied then) or "unchanged"."""
+    if not await store.client.exists(keys.tenant(tenant.id)):
+        await store.put(tenant)
+        return "created"
+    if last is None:  # a tenant made with the CLI that the file now takes over
+        await store.put(tenant)
+        return "updated"
+    wanted = tenant.model_dump(mode="json", exclude={"id"})
+    changed = {name: value for name, value in wanted.items() if last.get(name) != value}
+    if not changed:
+        return "unchanged"
+    await store.update(tenant.id, **changed)
+    return "updated"
+
+
+async def _revoke(api_keys: ApiKeys, tenant_id: str, key_ids: set[str]) -> int:
+    num = 0
+    for key_id in sorted(key_ids):
+        with contextlib.suppress(NotFoundError):
+            await api_keys.revoke(tenant_id, key_id)
+            num += 1
+    return num
 
 
 class TenantStore:

@@ -10,6 +10,7 @@ import yaml
 from pydantic import ValidationError
 
 from router.errors import (
+    AuthenticationError,
     ConflictError,
     InvalidRequestError,
     NotFoundError,
@@ -24,6 +25,7 @@ from router.state.tenants import (
     DEFAULT_MAX_QUEUED,
     DEFAULT_MAX_TOKENS,
     Tenant,
+    TenantStore,
     load_tenants,
     load_tenants_file,
     parse_tenants_yaml,
@@ -270,7 +272,8 @@ def test_a_file_bootstraps_tenants_and_their_key_digests_idempotently(redis_url)
             first = await load_tenants(scripts, document)
             assert (first.num_created, first.num_updated, first.num_keys_added) == (2, 0, 1)
             again = await load_tenants(scripts, document)  # every deploy loads it again
-            assert (again.num_created, again.num_updated, again.num_keys_added) == (0, 2, 0)
+            assert (again.num_created, again.num_updated, again.num_keys_added,
+                    again.num_unchanged) == (0, 0, 0, 2)
             principal = await ApiKeys(scripts).authenticate(secret)
             assert (principal.tenant_id, principal.key_id) == ("acme", key_id)
             stored = await client.hgetall(keys.api_keys("acme"))
@@ -280,6 +283,56 @@ def test_a_file_bootstraps_tenants_and_their_key_digests_idempotently(redis_url)
             with pytest.raises(ConflictError):
                 await load_tenants(scripts, other)
             assert (await ApiKeys(scripts).authenticate(secret)).tenant_id == "acme"
+        finally:
+            await client.aclose()
+
+    run(scenario())
+
+
+def test_the_file_reconciles_its_tenants_and_leaves_cli_changes_and_others_alone(
+        redis_url) -> None:
+    """What a redeploy does with the tenants file (the chart's Secret): CLI changes stick until
+    the file changes that field, keys the file drops are revoked, a tenant it drops is
+    disabled, tenants it never listed are untouched."""
+    k1, k2, k3 = new_key(), new_key(), new_key()
+
+    def document(acme: dict, keys_: list, with_beta: bool = True):
+        entries = [{"id": "acme", **acme, "api_keys": [
+            {"id": key_id, "sha256": digest(secret)} for key_id, secret in keys_]}]
+        if with_beta:
+            entries.append({"id": "beta", "api_keys": [{"id": k3[0], "sha256": digest(k3[1])}]})
+        return parse_tenants_yaml(yaml.safe_dump({"tenants": entries}))
+
+    async def scenario() -> None:
+        client = connect(redis_url)
+        try:
+            scripts = Scripts(client)
+            store, api_keys = TenantStore(scripts), ApiKeys(scripts)
+            first = await load_tenants(scripts, document({"weight": 2}, [k1, k2]))
+            assert (first.num_created, first.num_keys_added) == (2, 3)
+            await store.add(Tenant(id="cli-only", rpm=7))
+            cli_key = await api_keys.create("acme")
+            # operators' changes with the CLI
+            await store.update("acme", disabled=True)
+            await store.update("beta", rpm=5)
+            again = await load_tenants(scripts, document({"weight": 2}, [k1, k2]))
+            assert (again.num_unchanged, again.num_updated, again.num_keys_revoked) == (2, 0, 0)
+            assert (await store.get("acme")).disabled and (await store.get("beta")).rpm == 5
+
+            # the file changes acme's weight and drops k2 and beta
+            third = await load_tenants(scripts, document({"weight": 3}, [k1], with_beta=False))
+            assert (third.num_updated, third.num_keys_revoked, third.num_released) == (1, 2, 1)
+            acme = await store.get("acme")
+            assert acme.weight == 3 and acme.disabled  # the file's change, the CLI's kept
+            assert sorted(await api_keys.list("acme")) == sorted([k1[0], cli_key.key_id])
+            with pytest.raises(AuthenticationError):  # revoked: unknown, whoever asks
+                await api_keys.authenticate(k2[1])
+            assert (await store.get("beta")).disabled  # released: disabled, not deleted
+            assert await api_keys.list("beta") == []
+            assert await store.get("cli-only") == Tenant(id="cli-only", rpm=7)
+            # the file lists k2 again: it is back
+            await load_tenants(scripts, document({"weight": 3}, [k1, k2], with_beta=False))
+            assert k2[0] in await api_keys.list("acme")
         finally:
             await client.aclose()
 
