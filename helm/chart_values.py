@@ -405,8 +405,18 @@ class Dashboards(_Values):
                                    description="Labels for Grafana's dashboard sidecar.")
 
 
+class PrometheusRule(_Values):
+    enabled: bool = Field(False, description="Alert rules (Prometheus Operator): Redis near "
+                          "its maxmemory, requests refused because it is full.")
+    memoryRatio: float = Field(0.85, gt=0, lt=1, description="Warn when Redis's used memory "
+                               "passes this share of its maxmemory for 5 minutes.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Extra labels (to match "
+                                   "your Prometheus's rule selector).")
+
+
 class Metrics(_Values):
     podMonitor: PodMonitor = Field(default_factory=PodMonitor)
+    prometheusRule: PrometheusRule = Field(default_factory=PrometheusRule)
     dashboards: Dashboards = Field(default_factory=Dashboards)
 
 

@@ -158,3 +158,16 @@ class OverloadedError(RouterError):
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class StoreFullError(OverloadedError):
+    """Redis is at its ``maxmemory`` (``noeviction``): nothing new is written until ended
+    requests' records expire or an operator adds memory; nothing already accepted is lost."""
+
+    code = "store_full"
+    RETRY_AFTER_S = 5.0
+
+    def __init__(self, detail: str) -> None:
+        super().__init__("the queue store is full (Redis at its maxmemory): new requests are "
+                         f"refused until ended ones expire; retry later ({detail})",
+                         self.RETRY_AFTER_S)

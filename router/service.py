@@ -346,8 +346,11 @@ class RouterService:
         if gone:
             await self.client.srem(keys.metrics_routers(), *gone)
         merged = self.metrics.merged([raw for raw in snapshots if raw is not None])
+        memory = cast(dict[str, Any], await self.client.info("memory"))
         state = ClusterState(await self.queues.backlog(), await self.dispatcher.capacity.loads(),
-                             *await autoscaler_state(self.client))
+                             *await autoscaler_state(self.client),
+                             redis_memory=(int(memory["used_memory"]),
+                                           int(memory.get("maxmemory", 0))))
         return exposition(merged, state)
 
     async def _publish_metrics(self) -> None:

@@ -32,7 +32,7 @@ from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -54,6 +54,7 @@ from router.errors import (
     OverloadedError,
     RateLimitError,
     RouterError,
+    StoreFullError,
     StreamIdleError,
 )
 from router.messages import Reader, ReaderKind
@@ -387,6 +388,8 @@ def _add_error_handlers(app: FastAPI, service: RouterService) -> None:
     async def _redis_down(_: Request, exc: RedisError) -> JSONResponse:
         # admission is one script: it ran whole or not at all. If the reply was lost after it
         # ran, a retry with the same Idempotency-Key joins the admitted request
+        if isinstance(exc, OutOfMemoryError):
+            return error_response(StoreFullError(str(exc)))
         logger.error("Redis unavailable: %s", exc)
         return error_response(OverloadedError(f"the queue store is unavailable: {exc}"))
 

@@ -19,7 +19,13 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from router.errors import InvalidRequestError, NotFoundError, RouterError, StoredDataError
+from router.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    RouterError,
+    StoredDataError,
+    StoreFullError,
+)
 from router.state import keys
 
 
@@ -136,4 +142,8 @@ def script_error(exc: redis.exceptions.ResponseError) -> RouterError:
     if code == "FSINVALID":
         param, _, message = rest.partition(" ")
         return InvalidRequestError(message, param=param)
+    if isinstance(exc, redis.exceptions.OutOfMemoryError) or "-OOM " in text:
+        # a script's first write refused at maxmemory: it wrote nothing (Redis checks only a
+        # script's first write, and the scripts check everything before they write)
+        return StoreFullError("used memory > maxmemory")
     return RouterError(f"redis script failed: {text}")

@@ -178,6 +178,7 @@ class ClusterState:
     replicas: list[ReplicaLoad]
     autoscaler: dict[str, Any] | None = None  # its last decision with inputs (cluster/autoscaling)
     scaling_decisions: dict[str, int] = field(default_factory=dict)  # by direction
+    redis_memory: tuple[int, int] | None = None  # Redis's used_memory and maxmemory (0: none)
 
 
 def cluster_families(state: ClusterState) -> Iterator[Metric]:
@@ -214,6 +215,13 @@ def cluster_families(state: ClusterState) -> Iterator[Metric]:
     for load in state.replicas:
         used.add_metric([load.replica_id], load.num_total_kv_blocks - load.num_free_kv_blocks)
     yield used
+    if state.redis_memory is not None:
+        used_bytes, max_bytes = state.redis_memory
+        yield GaugeMetricFamily("fairserve_redis_used_memory_bytes", "memory Redis uses "
+                                "(at its maxmemory new requests are refused: 503 store_full)",
+                                value=used_bytes)
+        yield GaugeMetricFamily("fairserve_redis_maxmemory_bytes", "Redis's maxmemory (0: none)",
+                                value=max_bytes)
     yield from _autoscaler_families(state)
 
 

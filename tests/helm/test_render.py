@@ -294,6 +294,23 @@ def test_fairserve_metrics_are_on_their_own_port_for_the_pod_monitor_only() -> N
         assert port not in [p.get("port") for p in service["spec"].get("ports", [])]
 
 
+def test_alert_rules_watch_redis_memory_with_metrics_fairserve_emits() -> None:
+    from router.telemetry.metrics import ClusterState, MetricsStore, exposition
+
+    docs = render(values_of("hardened"))
+    (rule,) = of_kind(docs, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert set(alerts) == {"FairserveRedisMemoryHigh", "FairserveStoreFull"}
+    assert "> 0.85" in alerts["FairserveRedisMemoryHigh"]["expr"]
+    emitted = exposition(MetricsStore(), ClusterState([], [], redis_memory=(1, 2))).decode()
+    for name in ("fairserve_redis_used_memory_bytes", "fairserve_redis_maxmemory_bytes",
+                 "fairserve_requests_total"):
+        assert name in emitted or name.removesuffix("_total") in emitted, name
+        assert any(name in a["expr"] for a in alerts.values()), name
+    assert not of_kind(render(values_of(None)), "PrometheusRule")
+
+
 def test_monitoring_tenants_model_pvc_and_helm_test() -> None:
     docs = render(values_of("hardened"), with_tests=True)
     assert of_kind(docs, "PodMonitor")[0]["metadata"]["labels"]["release"] == "prometheus"

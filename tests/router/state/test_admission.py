@@ -305,3 +305,35 @@ def test_an_ended_request_keeps_one_window_then_only_its_key_digest(redis_url) -
             assert await h.queues.depth("acme") == 0  # nothing ran again
 
     run(scenario())
+
+
+def test_a_full_store_refuses_with_a_503_and_recovers_by_itself(redis_url) -> None:
+    """Redis at its maxmemory (noeviction): an admission is refused whole with a 503
+    ``store_full`` and a Retry-After, nothing half-written; what was admitted stays; once memory
+    is there again (records expire, or more is given) admissions go on."""
+    from router.errors import StoreFullError
+
+    async def scenario() -> None:
+        async with harness(redis_url) as h:
+            await add_tenants(h, Tenant(id="acme", max_queued=100_000))
+            await h.queues.admit(make_request("acme", "before"))
+            used = (await h.client.info("memory"))["used_memory"]
+            await h.client.config_set("maxmemory-policy", "noeviction")
+            await h.client.config_set("maxmemory", used + 300_000)
+            admitted = ["before"]
+            try:
+                with pytest.raises(StoreFullError) as err:
+                    for i in range(100_000):
+                        await h.queues.admit(make_request("acme", f"r{i}"))
+                        admitted.append(f"r{i}")
+                assert err.value.status == 503 and err.value.code == "store_full"
+                assert err.value.retry_after_s >= 1
+                refused = f"r{len(admitted) - 1}"
+                assert not await h.client.exists(keys.request("acme", refused))
+                assert await h.queues.queued_ids("acme") == admitted  # all kept, none half
+            finally:
+                await h.client.config_set("maxmemory", 0)
+            await h.queues.admit(make_request("acme", "after"))
+            assert (await h.queues.queued_ids("acme"))[-1] == "after"
+
+    run(scenario())
