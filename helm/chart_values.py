@@ -286,8 +286,8 @@ class RedisImage(_Values):
 
 class RedisAuth(_Values):
     enabled: bool = Field(True, description="Require a password.")
-    existingSecret: str = Field("", description="Secret holding the password (letters and "
-                                "digits): `kubectl create secret generic fairserve-redis "
+    existingSecret: str = Field("", description="Secret holding the password (one line, "
+                                "any characters): `kubectl create secret generic fairserve-redis "
                                 "--from-literal=password=$(openssl rand -hex 24)`.")
     passwordKey: str = Field("password", description="Key of the password in that Secret.")
 
