@@ -259,10 +259,19 @@ def test_network_policies_keep_redis_and_the_dashboard_closed() -> None:
                      if {"protocol": "TCP", "port": 8265} in r.get("ports", []))
     assert dashboard["from"][0]["namespaceSelector"]["matchLabels"] == {
         "kubernetes.io/metadata.name": "kuberay-system"}
-    api = next(r for r in ray_np["spec"]["ingress"] if r["ports"] == [
+    api = next(r for r in ray_np["spec"]["ingress"] if r.get("ports") == [
         {"protocol": "TCP", "port": 8000}])
     assert api["from"][0]["namespaceSelector"]["matchLabels"] == {
         "kubernetes.io/metadata.name": "ingress-nginx"}
+    # Ray's other ports (the dashboard's too, through them): only this release's Ray pods,
+    # never its Redis or helm-test pods
+    (ray_peers,) = [r for r in ray_np["spec"]["ingress"] if "ports" not in r]
+    (peer,) = ray_peers["from"]
+    assert {"key": "app.kubernetes.io/component", "operator": "NotIn",
+            "values": ["redis", "helm-test"]} in peer["podSelector"]["matchExpressions"]
+    # with the API limited to some peers, helm test still reaches it
+    assert any(p.get("podSelector", {}).get("matchLabels", {}).get(
+        "app.kubernetes.io/component") == "helm-test" for p in api["from"])
     assert not of_kind(render(values_of(None, networkPolicy={"enabled": False})),
                        "NetworkPolicy")
 
