@@ -21,32 +21,52 @@ for e = 1, n do
     ARGV[b + 4]
   local m = tonumber(ARGV[b + 5])
   local first, after = b + 6, b + 6 + 4 * m
-  local r = load_request(t, rid)
-  if not lease_ok(r, holder, attempt) then
-    replies[e] = {'stale', r and r.state or 'missing'}
-  elseif (r.writer or '') ~= writer then
+  local rk = key('request', t, rid)
+  -- one read for the fences and every choice's position (a step brings one chunk per choice)
+  local fields, slot = {'state', 'holder', 'deliveries', 'writer', 'cancel', 'streamed'}, {}
+  for i = first, after - 1, 4 do
+    local field = 'pos:' .. ARGV[i + 2]
+    if tonumber(ARGV[i + 3]) > 0 and not slot[field] then
+      fields[#fields + 1] = field
+      slot[field] = #fields
+    end
+  end
+  local v = redis.call('HMGET', rk, unpack(fields))
+  if not (v[1] == 'leased' and v[2] == holder and v[3] == attempt) then
+    replies[e] = {'stale', v[1] or 'missing'}
+  elseif (v[4] or '') ~= writer then
     replies[e] = {'stale', 'another writer'}
   else
-    local sk, rk = key('stream', t, rid), key('request', t, rid)
-    local last, dropped = '', 0
+    local sk = key('stream', t, rid)
+    local pos, streamed = {}, tonumber(v[6] or '0')
+    for field, i in pairs(slot) do pos[field] = tonumber(v[i] or '0') end
+    local last, dropped, moved = '', 0, false
     for i = first, after - 1, 4 do
       local position = tonumber(ARGV[i + 3])
       local field = 'pos:' .. ARGV[i + 2]
-      local before = position > 0 and tonumber(redis.call('HGET', rk, field) or '0') or 0
-      if position > 0 and position <= before then
+      if position > 0 and position <= pos[field] then
         dropped = dropped + 1
       else
         last = redis.call('XADD', sk, 'MAXLEN', '~', K.stream_max_events, '*', 'type', ARGV[i],
                           'data', ARGV[i + 1])
         if position > 0 then
-          redis.call('HSET', rk, field, position)
           -- output tokens sent, all choices: what a request that dies later is charged
-          redis.call('HINCRBY', rk, 'streamed', position - before)
+          streamed = streamed + position - pos[field]
+          pos[field] = position
+          moved = true
         end
       end
     end
+    if moved then
+      local writes = {'streamed', streamed}
+      for field, position in pairs(pos) do
+        writes[#writes + 1] = field
+        writes[#writes + 1] = position
+      end
+      redis.call('HSET', rk, unpack(writes))
+    end
     redis.call('EXPIRE', sk, K.stream_idle_ttl_s)
-    replies[e] = {'ok', last, tonumber(r.cancel), dropped}
+    replies[e] = {'ok', last, tonumber(v[5]), dropped}
   end
   b = after
 end
