@@ -41,7 +41,7 @@ UNLIMITED = "-"
 
 # Tenant fields the options set, in the order the table shows them.
 SETTINGS = ("weight", "priority", "rpm", "tpm", "daily_tokens", "max_tokens", "max_queued",
-            "max_streams", "max_resumes", "disabled")
+            "max_streams", "max_resumes", "cache_group", "disabled")
 TABLE_COLUMNS = ("id", *SETTINGS, "keys")
 
 
@@ -151,6 +151,9 @@ def _add_settings_options(parser: argparse.ArgumentParser, is_change: bool) -> N
                         help="cap on requests the tenant's clients wait on at once")
     parser.add_argument("--max-resumes", type=int, default=unset, metavar="N",
                         help="cap on resumed reads (GET .../{id}) open at once")
+    parser.add_argument("--cache-group", type=_group, default=unset, metavar="NAME",
+                        help="share the prefix cache with the tenants of this group ('none': "
+                        "the tenant's own, the default)")
     if not is_change:
         parser.add_argument("--disabled", action="store_true", default=unset,
                             help="refuse the tenant's new requests")
@@ -169,6 +172,10 @@ def _limit(text: str) -> int | None:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
+
+
+def _group(text: str) -> str | None:
+    return None if text.strip().lower() == "none" else text
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -238,7 +245,7 @@ async def _set(admin: Admin, args: argparse.Namespace) -> int:
         raise InvalidRequestError(
             "nothing to set: give at least one of --weight, --priority, --rpm, --tpm, "
             "--daily-tokens, --max-tokens, --max-queued, --max-streams, --max-resumes, "
-            "--enabled, --disabled"
+            "--cache-group, --enabled, --disabled"
         )
     tenant = await admin.tenants.update(args.tenant_id, **changes)
     print(f"updated tenant {tenant.id}: {_describe(tenant, tuple(changes))}")

@@ -96,10 +96,17 @@ class Grant:
     priority: int = 0
     admit_depth: int = 0  # the tenant's queue length right after this request joined it
     weight: float = 1.0  # the tenant's, when granted: the replica's fair scheduler uses it
+    cache_group: str = ""  # the tenant's prefix-cache sharing group ("": its own partition)
 
     @property
     def tenant_id(self) -> str:
         return self.lease.tenant_id
+
+    @property
+    def cache_salt(self) -> str:
+        """What roots the request's prefix-cache block hashes: its tenant's own partition, or
+        the group it shares with (a tenant id has no ':', so the two never meet)."""
+        return f"group:{self.cache_group}" if self.cache_group else self.tenant_id
 
     @property
     def request_id(self) -> str:

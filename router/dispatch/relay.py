@@ -183,8 +183,9 @@ class Relay:
                               writer),
             # the engine's fair scheduler (replicas/engine/scheduler.py): whose tokens these are
             scheduling=CallScheduling(grant.tenant_id, grant.priority, grant.weight),
-            # each tenant its own prefix-cache partition: no one learns what another sent
-            cache_salt=grant.tenant_id,
+            # each tenant its own prefix-cache partition (or its named group's): no one
+            # learns what another sent
+            cache_salt=grant.cache_salt,
             resume=running.progress.resume(),
             trace=carrier(running.span) if running.span is not None else None)
         running.replica_id = None

@@ -360,6 +360,7 @@ def _grant(holder: str, g: list[Any]) -> Grant:
         priority=int(g[10]),
         admit_depth=int(g[11]),
         weight=float(g[12]),
+        cache_group=(g[13] or b"").decode() if len(g) > 13 else "",
     )
 
 

@@ -81,6 +81,10 @@ class Tenant(BaseModel):
     max_resumes: int = Field(
         DEFAULT_MAX_RESUMES, ge=1,
         description="cap on resumed reads (GET .../{id}) open at once, over all routers")
+    cache_group: str | None = Field(
+        None, description="tenants naming the same group share the prefix cache (each can tell "
+        "what another in the group sent recently, from cached_tokens); none: the tenant's own "
+        "partition, which no other tenant can probe")
     disabled: bool = Field(False, description="refuse new requests (queued ones still run)")
 
     @field_validator("id")
@@ -91,13 +95,24 @@ class Tenant(BaseModel):
         except InvalidRequestError as exc:
             raise ValueError(exc.message) from None
 
+    @field_validator("cache_group")
+    @classmethod
+    def _check_group(cls, value: str | None) -> str | None:
+        if value is not None and not keys.TENANT_ID_PATTERN.match(value):
+            raise ValueError("a cache group is named as a tenant is: 1-63 of a-z, 0-9, '_' "
+                             "and '-'")
+        return value
+
     def to_redis(self) -> dict[str, str]:
         """Field -> string; unset limits are absent (unlimited)."""
         fields: dict[str, str] = {}
         for name, value in self.model_dump(exclude={"id"}).items():
             if value is None:
                 continue
-            fields[name] = ("1" if value else "0") if isinstance(value, bool) else repr(value)
+            if isinstance(value, bool):
+                fields[name] = "1" if value else "0"
+            else:
+                fields[name] = value if isinstance(value, str) else repr(value)
         return fields
 
     @classmethod

@@ -110,10 +110,11 @@ def test_list_shows_a_table_with_unlimited_as_dash_and_key_counts(redis_url, cap
     assert tenants(redis_url, "list") == 0
     header, *rows = [line.split() for line in capsys.readouterr().out.strip().splitlines()]
     assert header == ["id", "weight", "priority", "rpm", "tpm", "daily_tokens", "max_tokens",
-                      "max_queued", "max_streams", "max_resumes", "disabled", "keys"]
+                      "max_queued", "max_streams", "max_resumes", "cache_group", "disabled",
+                      "keys"]
     assert rows == [
-        ["acme", "2", "0", "-", "5000", "-", "4096", "1000", "512", "64", "no", "2"],
-        ["beta", "1", "0", "60", "-", "-", "4096", "1000", "512", "64", "yes", "0"],
+        ["acme", "2", "0", "-", "5000", "-", "4096", "1000", "512", "64", "-", "no", "2"],
+        ["beta", "1", "0", "60", "-", "-", "4096", "1000", "512", "64", "-", "yes", "0"],
     ]
 
 
@@ -125,7 +126,7 @@ def test_list_json_is_a_list_of_settings_with_key_counts(redis_url, capsys) -> N
     assert json.loads(capsys.readouterr().out) == [{
         "id": "acme", "weight": 1.0, "priority": 0, "rpm": 60, "tpm": None, "daily_tokens": None,
         "max_tokens": 4096, "max_queued": 1000, "max_streams": 512, "max_resumes": 64,
-        "disabled": False, "num_keys": 1,
+        "cache_group": None, "disabled": False, "num_keys": 1,
     }]
 
 
@@ -277,3 +278,14 @@ def test_key_new_stores_nothing_and_its_entry_loads_a_working_key(redis_url, red
     assert authenticate(redis_url, secret).tenant_id == "acme"
     assert main(["tenants", "key-new", "Not A Tenant"]) == 1
     assert "id" in one_error_line(capsys)
+
+
+def test_a_cache_group_is_set_shown_and_cleared(redis_url, capsys) -> None:
+    tenants(redis_url, "add", "acme")
+    assert tenants(redis_url, "set", "acme", "--cache-group", "partners") == 0
+    assert stored(redis_url, "acme").cache_group == "partners"
+    assert tenants(redis_url, "set", "acme", "--cache-group", "none") == 0
+    assert stored(redis_url, "acme").cache_group is None
+    capsys.readouterr()
+    assert tenants(redis_url, "set", "acme", "--cache-group", "Bad Name") != 0
+    assert "cache_group" in capsys.readouterr().err

@@ -73,3 +73,22 @@ def test_a_tenant_gets_no_cached_tokens_from_another_tenant_s_prompt(e2e: E2EClu
     time.sleep(PUBLISH_WAIT_S)  # the routers know where A's blocks are
     assert cached("salted-b") == 0
     assert cached("salted-a") >= BLOCK_SIZE * 4
+
+
+def test_tenants_of_one_cache_group_share_the_prefix_cache(e2e: E2ECluster) -> None:
+    """Opt-in sharing: tenants that name the same cache group are served from each other's
+    cached prefixes (and can tell what the other sent); a tenant outside it still gets none."""
+    rng = random.Random(2828)
+    prompt = " ".join(rng.choice(WORDS) for _ in range(120))
+    clients = {name: e2e.client(e2e.add_tenant(Tenant(id=name, cache_group=group)))
+               for name, group in (("group-a", "team"), ("group-b", "team"), ("loner", None))}
+
+    def cached(name: str) -> int:
+        response = clients[name].completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                                    temperature=0.0)
+        return response.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("group-a") == 0
+    time.sleep(PUBLISH_WAIT_S)  # the routers know where A's blocks are
+    assert cached("loner") == 0
+    assert cached("group-b") >= BLOCK_SIZE * 4

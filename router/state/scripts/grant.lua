@@ -10,7 +10,8 @@
 -- Returns {grants, warnings}: grants is a list of {tenant, id, attempt, lease deadline ms,
 --   body, meta, prompt tokens, max_tokens, created ms, grant sequence number, priority class,
 --   the tenant's queue depth right after its admission, the tenant's weight (a string: the
---   replica's fair scheduler weighs the tenant's tokens by it)}; warnings names
+--   replica's fair scheduler weighs the tenant's tokens by it), the tenant's cache group (""
+--   for none: its prefix cache is its own)}; warnings names
 --   stored data the script had to skip or read leniently ("<key> <field>").
 local holder, lease_ms = ARGV[2], tonumber(ARGV[3])
 local wanted = math.min(tonumber(ARGV[4]), tonumber(ARGV[5]))
@@ -32,6 +33,7 @@ local seq = tonumber(redis.call('HGET', K.vtime, 'grants') or '0')
 local function tenant_of(t)
   if not tenants[t] then
     tenants[t] = load_tenant(t, false)
+    tenants[t].cache_group = redis.call('HGET', key('tenant', t), 'cache_group') or ''
     if tenants[t].bad then warnings[#warnings + 1] = key('tenant', t) .. ' ' .. tenants[t].bad end
   end
   return tenants[t]
@@ -68,7 +70,8 @@ local function grant_one(t, class, start, rid)
   redis.call('ZADD', K.leases, deadline_s, t .. ' ' .. rid)
   count(counts, t, 'granted')
   grants[#grants + 1] = {t, rid, attempt, deadline, r[3], r[4], r[5], r[6], r[7], seq,
-                         class, tonumber(r[9]) or 0, fmt(tenant_of(t).weight)}
+                         class, tonumber(r[9]) or 0, fmt(tenant_of(t).weight),
+                         tenant_of(t).cache_group}
   return finish
 end
 

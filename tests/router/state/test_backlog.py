@@ -87,3 +87,19 @@ def test_queued_tokens_are_kept_as_requests_move_and_match_a_scan(redis_url) -> 
             assert reads <= 2 * len(backlog), stats
 
     run(scenario())
+
+
+def test_a_grant_carries_the_prefix_cache_salt_of_its_tenant_or_its_group(redis_url) -> None:
+    async def scenario() -> None:
+        async with harness(redis_url) as h:
+            await add_tenants(h, Tenant(id="a", cache_group="partners"),
+                              Tenant(id="b", cache_group="partners"), Tenant(id="c"),
+                              Tenant(id="partners"))
+            for tenant in ("a", "b", "c", "partners"):
+                await h.queues.admit(make_request(tenant, f"{tenant}0"))
+            grants = {g.tenant_id: g for g in (await h.queues.grant("d", 10)).grants}
+            salts = {t: g.cache_salt for t, g in grants.items()}
+            assert salts == {"a": "group:partners", "b": "group:partners", "c": "c",
+                             "partners": "partners"}  # a group never meets a tenant's own
+
+    run(scenario())
