@@ -40,6 +40,7 @@ from router.errors import (
     PAST_THE_STREAM,
     InvalidRequestError,
     NotFoundError,
+    RateLimitError,
     RouterError,
 )
 from router.messages import AdmitRequest, CancelOutcome, Reader, ReaderKind, RequestState
@@ -154,17 +155,37 @@ class RouterService:
         """Longest prompt + output a request may have."""
         return min(self.model.max_model_len, self.model.kv_capacity_tokens)
 
-    async def authenticate(self, authorization: str | None) -> Principal:
+    async def authenticate(self, authorization: str | None, for_admission: bool = False
+                           ) -> Principal:
+        """``for_admission``: a tenant past its rpm, tpm or budget is refused before the
+        request is tokenized (``ApiKeys.authenticate``)."""
         scheme, _, credential = (authorization or "").partition(" ")
         api_key = credential.strip() if scheme.lower() == "bearer" else None
-        return await self.api_keys.authenticate(api_key)
+        return await self.api_keys.authenticate(api_key, for_admission=for_admission)
+
+    async def authenticate_to_submit(self, authorization: str | None,
+                                     request: ChatCompletionRequest | CompletionRequest,
+                                     idempotency_key: str | None) -> Principal:
+        """As ``authenticate`` before a submission: a tenant past its quotas is refused before
+        any work, unless this is a retry of a request it already has (an Idempotency-Key that
+        joins it is never refused for the quota its first sending used)."""
+        try:
+            return await self.authenticate(authorization, for_admission=True)
+        except RateLimitError:
+            if idempotency_key is None:
+                raise
+            principal = await self.authenticate(authorization)
+            request_id = _request_id(principal.tenant_id, request, idempotency_key)
+            if await self.client.exists(keys.request(principal.tenant_id, request_id)):
+                return principal
+            raise
 
     async def submit(self, principal: Principal, request: ChatCompletionRequest | CompletionRequest,
                      idempotency_key: str | None) -> Submission:
         if request.model != self.model.served_model_name:
             raise NotFoundError(f"the model {request.model!r} does not exist; this cluster serves "
                                 f"{self.model.served_model_name!r}", param="model")
-        check_sampling(request, self.tokenizer.vocab_size, self.api.max_n)
+        await check_sampling(request, self.tokenizer.vocab_size, self.api.max_n)
         prompt_ids, prompt_param = await self._prompt_ids(request)
         max_tokens = await self._max_tokens(principal.tenant_id, request, len(prompt_ids),
                                             prompt_param)

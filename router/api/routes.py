@@ -198,7 +198,8 @@ async def _respond(service: RouterService, body: ChatCompletionRequest | Complet
                    last_event_id: str | None) -> Any:
     observer = RequestObserver(service.metrics, body)
     try:
-        principal: Principal = await service.authenticate(authorization)
+        principal: Principal = await service.authenticate_to_submit(authorization, body,
+                                                                    idempotency_key)
         observer.tenant = principal.tenant_id
         submission = await service.submit(principal, body, idempotency_key)
     except RouterError as exc:

@@ -9,6 +9,7 @@ replicas use (``replicas/grammar.py``), so a request is never accepted only to f
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -26,8 +27,10 @@ from router.state.keys import STREAM_MAX_EVENTS
 Request = ChatCompletionRequest | CompletionRequest
 
 
-def check_sampling(request: Request, vocab_size: int, max_n: int) -> None:
-    """Raises ``InvalidRequestError`` naming the field the model or deployment cannot take."""
+async def check_sampling(request: Request, vocab_size: int, max_n: int) -> None:
+    """Raises ``InvalidRequestError`` naming the field the model or deployment cannot take.
+    A schema is compiled on a worker thread: a large one takes milliseconds of CPU that would
+    otherwise stall every stream this router serves."""
     if request.n > max_n:
         raise InvalidRequestError(f"n: at most {max_n} choices per request, got {request.n}",
                                   param="n")
@@ -42,7 +45,10 @@ def check_sampling(request: Request, vocab_size: int, max_n: int) -> None:
     if spec is not None:
         _check_schema_bounds(spec["schema"])
         try:
-            check_grammar(spec["kind"], spec["schema"])
+            if spec["schema"]:
+                await asyncio.to_thread(check_grammar, spec["kind"], spec["schema"])
+            else:
+                check_grammar(spec["kind"], spec["schema"])
         except GrammarError as exc:
             raise InvalidRequestError(f"response_format: the schema cannot be compiled: {exc}",
                                       param="response_format", code=UNSUPPORTED_SCHEMA) from None

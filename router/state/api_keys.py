@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import time
 from dataclasses import dataclass
 from typing import cast
 
@@ -25,6 +26,7 @@ from router.errors import (
     StoredDataError,
 )
 from router.state import keys
+from router.state.quota_check import DAY_MS, refuse_if_exhausted
 from router.state.scripts import Script, Scripts
 
 KEY_PREFIX = "fs-"
@@ -100,9 +102,13 @@ class ApiKeys:
         key_ids = cast(list[bytes], await self.client.hkeys(keys.api_keys(tenant_id)))
         return sorted(k.decode() for k in key_ids)
 
-    async def authenticate(self, api_key: str | None, tenant_id: str | None = None) -> Principal:
+    async def authenticate(self, api_key: str | None, tenant_id: str | None = None,
+                           for_admission: bool = False) -> Principal:
         """The tenant of a key. ``tenant_id``: the tenant the caller claims, if any; a key of
-        another tenant is refused (403) without saying whether that tenant exists."""
+        another tenant is refused (403) without saying whether that tenant exists.
+        ``for_admission``: a request to be queued follows; a tenant past its rpm, tpm or daily
+        budget is refused now (429), before the router tokenizes anything
+        (``router/state/quota_check.py``), in the round trip that reads ``disabled``."""
         if not api_key:
             raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'")
         if len(api_key) > MAX_KEY_CHARS or not api_key.isascii():
@@ -120,7 +126,21 @@ class ApiKeys:
         if tenant_id is not None and keys.check_tenant_id(tenant_id) != owner:
             raise PermissionDeniedError("this API key does not belong to that tenant",
                                         param="tenant")
-        disabled = await self.client.hget(keys.tenant(owner), "disabled")
-        if disabled not in (None, b"0"):  # a malformed flag fails closed
-            raise PermissionDeniedError(f"tenant {owner!r} is disabled", param="tenant")
+        if not for_admission:
+            disabled = await self.client.hget(keys.tenant(owner), "disabled")
+            _check_enabled(owner, disabled)
+            return Principal(owner, key_id)
+        now_ms = time.time() * 1000
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hmget(keys.tenant(owner), "disabled", "rpm", "tpm", "daily_tokens")
+        pipe.hmget(keys.state(owner), "rpm_tat", "tpm_tat")
+        pipe.get(keys.budget(owner, int(now_ms // DAY_MS)))
+        tenant, tats, used = await pipe.execute()
+        _check_enabled(owner, tenant[0])
+        refuse_if_exhausted(tenant[1:], tats, used, now_ms)
         return Principal(owner, key_id)
+
+
+def _check_enabled(tenant_id: str, disabled: bytes | None) -> None:
+    if disabled not in (None, b"0"):  # a malformed flag fails closed
+        raise PermissionDeniedError(f"tenant {tenant_id!r} is disabled", param="tenant")

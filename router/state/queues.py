@@ -341,9 +341,14 @@ def _admission(request: AdmitRequest, reply: list[Any]) -> Admission:
 
 
 def _refuse(reason: str, retry_after_ms: int) -> NoReturn:
+    raise refusal(reason, retry_after_ms)
+
+
+def refusal(reason: str, retry_after_ms: int) -> RateLimitError:
+    """The 429 of a refusal ``reason`` (admit.lua's, readers.lua's, or the quota check's)."""
     retry_after_s = retry_after_ms / 1000
-    raise RateLimitError(f"{_REFUSAL_MESSAGES[reason]}; retry after {retry_after_s:.3f} s",
-                         reason, retry_after_s)
+    return RateLimitError(f"{_REFUSAL_MESSAGES[reason]}; retry after {retry_after_s:.3f} s",
+                          reason, retry_after_s)
 
 
 def _grant(holder: str, g: list[Any]) -> Grant:

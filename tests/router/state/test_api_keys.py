@@ -220,3 +220,39 @@ def test_a_malformed_key_record_is_stored_data_error(redis_url, redis_client, fi
             assert record in err.value.message and err.value.status == 500
 
     run(scenario())
+
+
+def test_a_tenant_past_its_quotas_is_refused_before_any_work(redis_url) -> None:
+    """Authentication for a submission reads the tenant's limiters in its one round trip and
+    refuses what no token count could let through (rpm full, tpm full for even one token, the
+    day's budget used), with the admission's reason and Retry-After; it consumes nothing, and a
+    plain authentication (a GET) is never refused for quotas."""
+    from router.errors import RateLimitError
+    from tests.router.factories import make_request
+
+    async def scenario() -> None:
+        async with harness(redis_url) as h:
+            await add_tenants(h, Tenant(id="rpm", rpm=2), Tenant(id="tpm", tpm=6),
+                              Tenant(id="day", daily_tokens=60), Tenant(id="free"))
+            secrets = {t: (await h.api_keys.create(t)).secret for t in ("rpm", "tpm", "day",
+                                                                         "free")}
+            for t in ("rpm", "tpm", "day", "free"):  # under the limits: let through
+                await h.api_keys.authenticate(secrets[t], for_admission=True)
+            for i in range(2):
+                await h.queues.admit(make_request("rpm", f"r{i}", prompt_tokens=1, max_tokens=1))
+            await h.queues.admit(make_request("tpm", "t0", prompt_tokens=3, max_tokens=3))
+            await h.queues.admit(make_request("day", "d0", prompt_tokens=30, max_tokens=30))
+            for t, reason, most_s in (("rpm", "rpm", 30), ("tpm", "tpm", 10),
+                                      ("day", "daily_budget", 86_400)):
+                with pytest.raises(RateLimitError) as err:
+                    await h.api_keys.authenticate(secrets[t], for_admission=True)
+                assert err.value.status == 429 and err.value.reason == reason, t
+                assert 0 < err.value.retry_after_s <= most_s, (t, err.value.retry_after_s)
+                assert (await h.api_keys.authenticate(secrets[t])).tenant_id == t  # a GET
+            await h.api_keys.authenticate(secrets["free"], for_admission=True)
+            # nothing was consumed: the admission still says the same, with its own reason
+            with pytest.raises(RateLimitError) as err:
+                await h.queues.admit(make_request("rpm", "r2", prompt_tokens=1, max_tokens=1))
+            assert err.value.reason == "rpm"
+
+    run(scenario())
