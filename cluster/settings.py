@@ -139,6 +139,10 @@ class RedisSettings(_Branch):
     password_file: LocalPath | None = Field(
         None, description="a file holding that password (a mounted Kubernetes Secret; from "
         "$FAIRSERVE_REDIS__PASSWORD_FILE); `password` wins")
+    username: str | None = Field(
+        None, description="the Redis ACL user of that password, when the URL names none (from "
+        "$FAIRSERVE_REDIS__USERNAME; the Helm chart gives routers and model replicas users of "
+        "their own); none: Redis's default user")
     port: int = Field(6390, ge=1, le=65535, description="port of the embedded redis-server")
     appendfsync: AppendFsync = Field(
         AppendFsync.EVERYSEC, description="AOF fsync policy of the embedded redis-server"
@@ -151,7 +155,7 @@ class RedisSettings(_Branch):
             return None
         given = self.password.get_secret_value() if self.password is not None else None
         path = str(self.password_file) if self.password_file is not None else None
-        return with_password(self.url, password_of(given, path))
+        return with_password(self.url, password_of(given, path), self.username)
 
 
 class RaySettings(_Branch):

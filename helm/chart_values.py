@@ -287,9 +287,23 @@ class RedisImage(_Values):
 class RedisAuth(_Values):
     enabled: bool = Field(True, description="Require a password.")
     existingSecret: str = Field("", description="Secret holding the password (one line, "
-                                "any characters): `kubectl create secret generic fairserve-redis "
-                                "--from-literal=password=$(openssl rand -hex 24)`.")
+                                "any characters), and with roleUsers the routers' and the replicas': "
+                                "`kubectl create secret generic fairserve-redis "
+                                "--from-literal=password=$(openssl rand -hex 24) "
+                                "--from-literal=router-password=$(openssl rand -hex 24) "
+                                "--from-literal=replica-password=$(openssl rand -hex 24)`.")
     passwordKey: str = Field("password", description="Key of the password in that Secret.")
+    roleUsers: bool = Field(True, description="A Redis ACL user per role, each with a password "
+                            "of its own from the same Secret: the routers' (`fairserve-router`: "
+                            "fairserve's keys, no admin commands) and the model replicas' "
+                            "(`fairserve-replica`: only requests' records and streams and the "
+                            "load reports; it cannot read or mint API keys or change tenants). "
+                            "The head (the deploy-time tenants load, the autoscaler, the "
+                            "operators' CLI) keeps the default user. Off: one password for all.")
+    routerPasswordKey: str = Field("router-password", description="Key of the routers' "
+                                   "password in that Secret (with roleUsers).")
+    replicaPasswordKey: str = Field("replica-password", description="Key of the model "
+                                    "replicas' password in that Secret (with roleUsers).")
 
 
 class RedisPersistence(_Values):

@@ -39,14 +39,17 @@ class PackedConnection(aioredis.Connection):
 POOL_WAIT_S = 10.0  # how long a command waits for a free connection of a bounded pool
 PASSWORD_ENV = "FAIRSERVE_REDIS__PASSWORD"
 PASSWORD_FILE_ENV = "FAIRSERVE_REDIS__PASSWORD_FILE"  # a mounted Secret: the better way
+USERNAME_ENV = "FAIRSERVE_REDIS__USERNAME"  # a Redis ACL user (the chart: one per role)
 
 
-def with_password(url: str, password: str | None) -> str:
-    """``url`` with ``password`` in it, unless the URL has a password of its own."""
+def with_password(url: str, password: str | None, username: str | None = None) -> str:
+    """``url`` with ``password`` (and ``username``, when the URL names none) in it, unless the
+    URL has a password of its own."""
     parts = urlsplit(url)
     if not password or parts.password is not None:
         return url
-    user = quote(parts.username, safe="") if parts.username else ""
+    name = parts.username or username
+    user = quote(name, safe="") if name else ""
     host = parts.netloc.rpartition("@")[2]
     return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))
 
@@ -63,7 +66,8 @@ def password_of(password: str | None, password_file: str | None) -> str | None:
 
 def with_env_password(url: str) -> str:
     """``url`` with the password of this process's environment: ``FAIRSERVE_REDIS__PASSWORD``,
-    or the file ``FAIRSERVE_REDIS__PASSWORD_FILE`` names (a mounted Kubernetes Secret).
+    or the file ``FAIRSERVE_REDIS__PASSWORD_FILE`` names (a mounted Kubernetes Secret), as the
+    ACL user ``FAIRSERVE_REDIS__USERNAME`` when that is set (else Redis's default user).
 
     NOTE: the Redis password never travels through Ray. Deployment arguments, autoscaling
     policy arguments and serveConfigV2 are visible on the Ray dashboard (and the last in the
@@ -71,7 +75,8 @@ def with_env_password(url: str) -> str:
     replica, autoscaling policy) adds it from its own environment, which Kubernetes fills from
     a Secret."""
     return with_password(url, password_of(os.environ.get(PASSWORD_ENV),
-                                          os.environ.get(PASSWORD_FILE_ENV)))
+                                          os.environ.get(PASSWORD_FILE_ENV)),
+                         os.environ.get(USERNAME_ENV) or None)
 
 
 def connect(url: str, max_connections: int | None = None, **kwargs: Any) -> aioredis.Redis:

@@ -113,6 +113,25 @@ imagePullSecrets:
 {{- end -}}
 {{- end -}}
 
+{{/* "true" when the embedded Redis has an ACL user per role (redis.embedded.auth.roleUsers). */}}
+{{- define "fairserve.redisRoleUsers" -}}
+{{- if and (eq .Values.redis.mode "embedded") .Values.redis.embedded.auth.enabled .Values.redis.embedded.auth.roleUsers -}}true{{- end -}}
+{{- end -}}
+
+{{/* The Redis user and the key of its password in the Secret for a Ray pod's component
+(head, routers, model-<group>): "<user> <key>"; the default user on the head. */}}
+{{- define "fairserve.redisRole" -}}
+{{- $root := .root -}}
+{{- $auth := $root.Values.redis.embedded.auth -}}
+{{- if and (include "fairserve.redisRoleUsers" $root) (eq .component "routers") -}}
+fairserve-router {{ $auth.routerPasswordKey }}
+{{- else if and (include "fairserve.redisRoleUsers" $root) (hasPrefix "model-" .component) -}}
+fairserve-replica {{ $auth.replicaPasswordKey }}
+{{- else -}}
+- {{ include "fairserve.redisPasswordKey" $root }}
+{{- end -}}
+{{- end -}}
+
 {{- define "fairserve.redisPasswordKey" -}}
 {{- if eq .Values.redis.mode "embedded" -}}
 {{- .Values.redis.embedded.auth.passwordKey -}}

@@ -14,6 +14,8 @@ topologySpreadConstraints, ports (bool: the head's named ports).
 {{- define "fairserve.rayPodTemplate" -}}
 {{- $root := .root -}}
 {{- $v := $root.Values -}}
+{{- /* its Redis user ("-": the default) and the Secret key of its password */ -}}
+{{- $role := splitList " " (include "fairserve.redisRole" (dict "root" $root "component" .component)) -}}
 metadata:
   labels:
     {{- include "fairserve.selectorLabels" $root | nindent 4 }}
@@ -62,7 +64,8 @@ spec:
         secretName: {{ . }}
         defaultMode: 0440
         items:
-          - key: {{ include "fairserve.redisPasswordKey" $root }}
+          # this pod's role's password only (redis.embedded.auth.roleUsers)
+          - key: {{ index $role 1 }}
             path: password
     {{- end }}
     {{- if $v.tenants.existingSecret }}
@@ -110,6 +113,11 @@ spec:
         # (router/state/redis_client.py: every Ray process reads it from here)
         - name: FAIRSERVE_REDIS__PASSWORD_FILE
           value: /etc/fairserve/redis/password
+        {{- if ne (index $role 0) "-" }}
+        # its own Redis ACL user (redis.embedded.auth.roleUsers)
+        - name: FAIRSERVE_REDIS__USERNAME
+          value: {{ index $role 0 }}
+        {{- end }}
         {{- end }}
         {{- with $v.telemetry.otlpEndpoint }}
         - name: OTEL_EXPORTER_OTLP_ENDPOINT
