@@ -302,9 +302,11 @@ def test_an_ended_request_keeps_no_body_and_is_still_known_to_a_retry(redis_url)
 
 
 def test_what_outlives_a_served_request_does_not_grow_with_its_prompt(redis_url) -> None:
-    """A served request's record (kept for idempotent retries and lookups) is the same size
-    for a 1,500- and a 15,000-token prompt: about 2.6 KB (Redis's hash-table encoding of its
-    ~25 fields; the issue's 1 KB needs a compacted record, not done yet)."""
+    """A served request's record (kept for the resume window, for resumes, idempotent retries
+    and lookups) is the same size for a 1,500- and a 15,000-token prompt: about 2.6 KB (Redis's
+    hash-table encoding of its ~25 fields; the two differ by the allocator's rounding of their
+    numbers' digits at most). After the window only an Idempotency-Key's digest stays
+    (test_admission.py)."""
     import json as json_module
 
     from router.api.shaper import Shape
@@ -330,7 +332,7 @@ def test_what_outlives_a_served_request_does_not_grow_with_its_prompt(redis_url)
             (small_running, small), (large_running, large) = [
                 await served(h, n) for n in (1_500, 15_000)]
             assert small_running > 8_000 and large_running > 80_000
-            assert small == large < 3_000
+            assert abs(small - large) <= 64 and large < 3_000, (small, large)
 
     run(scenario())
 
