@@ -7,7 +7,8 @@ Starts ``fairserve``'s own launcher (``make up``'s shape: embedded Redis, one mo
 one router, the real engine) and keeps ``--streams`` streamed completions running for
 ``--minutes``, each a fresh request (half of them, by default, with an ``Idempotency-Key``).
 Every ``--sample-s`` it prints Redis's ``used_memory`` and key count, the requests finished so
-far and the router's resident memory. An ended request's record and stream expire together
+far, the router's resident memory and Redis's estimate of the keys that expired but are not
+reclaimed yet (``expired_stale_perc``); at the end, the keys by kind. An ended request's record and stream expire together
 after ``queues.resume_window_s`` (15 min); past it only an Idempotency-Key's digest stays (24 h).
 So ``used_memory`` should rise for one resume window (the records of the requests that ended
 within it), then stay flat but for the digests. The last lines give the growth over the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import tempfile
 import time
 import uuid
@@ -43,6 +45,7 @@ class Sample:
     num_keys: int
     num_finished: int
     router_rss_mb: float
+    stale_percent: float  # Redis's estimate of keys expired but not yet reclaimed
 
 
 async def traffic(base_url: str, key: str, model: str, args: argparse.Namespace,
@@ -51,14 +54,14 @@ async def traffic(base_url: str, key: str, model: str, args: argparse.Namespace,
     url = f"{base_url}/completions"
 
     async def stream(worker: int) -> None:
-        n = 0
+        n, rng = 0, random.Random(worker)
         async with httpx.AsyncClient(timeout=600) as http:
             while not stop.is_set():
                 n += 1
                 prompt = [1000 + (worker * 7919 + n * 104729 + j) % 20000
                           for j in range(args.prompt_tokens)]
                 extra = ({"Idempotency-Key": uuid.uuid4().hex}
-                         if (n % 100) < args.idempotent_share * 100 else {})
+                         if rng.random() < args.idempotent_share else {})
                 body = {"model": model, "prompt": prompt, "max_tokens": args.output_tokens,
                         "temperature": 0.7, "stream": True, "ignore_eos": True}
                 async for _ in sse_events(http, url, body, {**headers, **extra},
@@ -69,10 +72,25 @@ async def traffic(base_url: str, key: str, model: str, args: argparse.Namespace,
     await asyncio.gather(*(stream(w) for w in range(args.streams)))
 
 
+def census(client: redis.Redis) -> dict[str, tuple[int, int, int]]:
+    """Redis's keys by kind (the part of the name after the tenant): how many, how many have no
+    TTL, and their bytes (MEMORY USAGE)."""
+    kinds: dict[str, list[int]] = {}
+    for raw in client.scan_iter(count=1000):
+        name = raw.decode()
+        kind = name.split("}:", 1)[1].split(":", 1)[0] if "}:" in name else name.split(":")[1]
+        entry = kinds.setdefault(kind, [0, 0, 0])
+        entry[0] += 1
+        entry[1] += client.ttl(raw) == -1
+        entry[2] += client.memory_usage(raw, samples=0) or 0
+    return {kind: (n, no_ttl, size) for kind, (n, no_ttl, size) in sorted(kinds.items())}
+
+
 def sample(client: redis.Redis, started_s: float, finished: int, router: list[int]) -> Sample:
     info = client.info("memory")
+    stale = float(client.info("stats").get("expired_stale_perc", 0.0))
     return Sample((time.monotonic() - started_s) / 60, int(info["used_memory"]),
-                  int(client.dbsize()), finished, rss_mb(router))
+                  int(client.dbsize()), finished, rss_mb(router), stale)
 
 
 async def soak(base_url: str, redis_url: str, key: str, model: str, args: argparse.Namespace,
@@ -83,8 +101,8 @@ async def soak(base_url: str, redis_url: str, key: str, model: str, args: argpar
     task = asyncio.create_task(traffic(base_url, key, model, args, finished, stop))
     started = time.monotonic()
     samples = [sample(client, started, 0, router)]
-    print(f"{'minute':>6} {'used MB':>9} {'keys':>7} {'finished':>9} {'router RSS MB':>14}",
-          flush=True)
+    print(f"{'minute':>6} {'used MB':>9} {'keys':>7} {'finished':>9} {'router RSS MB':>14} "
+          f"{'stale %':>8}", flush=True)
     while time.monotonic() - started < args.minutes * 60:
         await asyncio.sleep(args.sample_s)
         if task.done():
@@ -92,9 +110,13 @@ async def soak(base_url: str, redis_url: str, key: str, model: str, args: argpar
         samples.append(sample(client, started, finished[0], router))
         s = samples[-1]
         print(f"{s.minute:6.1f} {s.used_bytes / 2**20:9.2f} {s.num_keys:7d} "
-              f"{s.num_finished:9d} {s.router_rss_mb:14.0f}", flush=True)
+              f"{s.num_finished:9d} {s.router_rss_mb:14.0f} {s.stale_percent:8.1f}",
+              flush=True)
     stop.set()
     await asyncio.wait_for(task, 600)
+    print(f"\n{'keys by kind':<16} {'count':>7} {'no TTL':>7} {'KB':>9}")
+    for kind, (n, no_ttl, size) in census(client).items():
+        print(f"{kind:<16} {n:7d} {no_ttl:7d} {size / 1024:9.1f}")
     settled = [s for s in samples if s.minute * 60 >= window_s + args.sample_s]
     if len(settled) >= 2:
         first, last = settled[0], settled[-1]
@@ -119,10 +141,15 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=400)
     parser.add_argument("--idempotent-share", type=float, default=0.5)
     parser.add_argument("--sample-s", type=float, default=60)
+    parser.add_argument("--resume-window-s", type=int, default=None,
+                        help="queues.resume_window_s (default: the settings' 15 min)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="fairserve-soak-") as state_dir:
+        queues = ({"resume_window_s": args.resume_window_s}
+                  if args.resume_window_s is not None else {})
         settings = load_settings(state_dir=state_dir, router={"port": free_port()},
-                                 redis={"port": free_port()}, tenants={"create_demo": False})
+                                 redis={"port": free_port()}, tenants={"create_demo": False},
+                                 queues=queues)
         cluster = LocalCluster(settings, progress=lambda line: print(line, flush=True))
         try:
             info = cluster.start()
