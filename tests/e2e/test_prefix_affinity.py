@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -55,20 +56,27 @@ def test_follow_up_turns_land_where_their_history_is_cached(e2e: E2ECluster) -> 
         assert _value(after, hist, tenant="affinity") == len(turns)
 
 
-def test_a_tenant_gets_no_cached_tokens_from_another_tenant_s_prompt(e2e: E2ECluster) -> None:
-    """Each tenant has its own prefix-cache partition: tenant B sending what tenant A sent
-    a moment ago gets 0 cached tokens (it cannot probe A's prompts 16 tokens at a time),
-    while A's own repeat is served from the cache."""
-    rng = random.Random(28)
+def cached_tokens_by_tenant(e2e: E2ECluster, seed: int, tenants: list[Tenant]
+                            ) -> Callable[[str], int]:
+    """A function that sends one fixed 120-word prompt as a tenant (by id) and returns the
+    prompt tokens its answer says were cached."""
+    rng = random.Random(seed)
     prompt = " ".join(rng.choice(WORDS) for _ in range(120))
-    clients = {name: e2e.client(e2e.add_tenant(Tenant(id=name)))
-               for name in ("salted-a", "salted-b")}
+    clients = {tenant.id: e2e.client(e2e.add_tenant(tenant)) for tenant in tenants}
 
     def cached(name: str) -> int:
         response = clients[name].completions.create(model=MODEL, prompt=prompt, max_tokens=2,
                                                     temperature=0.0)
         return response.usage.prompt_tokens_details.cached_tokens
 
+    return cached
+
+
+def test_a_tenant_gets_no_cached_tokens_from_another_tenant_s_prompt(e2e: E2ECluster) -> None:
+    """Each tenant has its own prefix-cache partition: tenant B sending what tenant A sent
+    a moment ago gets 0 cached tokens (it cannot probe A's prompts 16 tokens at a time),
+    while A's own repeat is served from the cache."""
+    cached = cached_tokens_by_tenant(e2e, 28, [Tenant(id="salted-a"), Tenant(id="salted-b")])
     assert cached("salted-a") == 0
     time.sleep(PUBLISH_WAIT_S)  # the routers know where A's blocks are
     assert cached("salted-b") == 0
@@ -78,16 +86,9 @@ def test_a_tenant_gets_no_cached_tokens_from_another_tenant_s_prompt(e2e: E2EClu
 def test_tenants_of_one_cache_group_share_the_prefix_cache(e2e: E2ECluster) -> None:
     """Opt-in sharing: tenants that name the same cache group are served from each other's
     cached prefixes (and can tell what the other sent); a tenant outside it still gets none."""
-    rng = random.Random(2828)
-    prompt = " ".join(rng.choice(WORDS) for _ in range(120))
-    clients = {name: e2e.client(e2e.add_tenant(Tenant(id=name, cache_group=group)))
-               for name, group in (("group-a", "team"), ("group-b", "team"), ("loner", None))}
-
-    def cached(name: str) -> int:
-        response = clients[name].completions.create(model=MODEL, prompt=prompt, max_tokens=2,
-                                                    temperature=0.0)
-        return response.usage.prompt_tokens_details.cached_tokens
-
+    cached = cached_tokens_by_tenant(e2e, 2828, [Tenant(id="group-a", cache_group="team"),
+                                                 Tenant(id="group-b", cache_group="team"),
+                                                 Tenant(id="loner")])
     assert cached("group-a") == 0
     time.sleep(PUBLISH_WAIT_S)  # the routers know where A's blocks are
     assert cached("loner") == 0
