@@ -91,9 +91,12 @@ def add_tenants_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     revoke.add_argument("tenant_id", metavar="ID")
     revoke.add_argument("key_id", metavar="KEY_ID")
 
-    load = _command(commands, common, "load", "create or replace the tenants of a YAML file "
-                    "(and add the API key digests it lists)", _load)
+    load = _command(commands, common, "load", "reconcile the tenants of a YAML file (settings "
+                    "the file changed, its API key digests; keys it dropped are revoked)", _load)
     load.add_argument("path", metavar="FILE")
+    load.add_argument("--prune", action="store_true",
+                      help="also disable the tenants an earlier load of the file listed and it "
+                      "no longer does (a deploy does; by hand, only with the whole file)")
 
     new = commands.add_parser(
         "key-new", help="make a key here, store nothing; print its tenants-file entry",
@@ -286,7 +289,7 @@ async def _load(admin: Admin, args: argparse.Namespace) -> int:
     except OSError as exc:
         raise InvalidRequestError(f"cannot read {args.path}: {exc.strerror or exc}",
                                   param="path") from None
-    result = await load_tenants(admin.tenants.scripts, document)
+    result = await load_tenants(admin.tenants.scripts, document, prune=args.prune)
     print(f"loaded {len(document.tenants)} tenants from {args.path}: {result.summary}")
     return 0
 

@@ -232,7 +232,8 @@ class LoadResult:
                 f"{self.num_keys_added} API keys added, {self.num_keys_revoked} revoked")
 
 
-async def load_tenants(scripts: Scripts, document: TenantsDocument) -> LoadResult:
+async def load_tenants(scripts: Scripts, document: TenantsDocument,
+                       prune: bool = True) -> LoadResult:
     """Reconcile Redis with a tenants file, as ``kubectl apply`` does with its last-applied
     configuration (``keys.file_tenants``: what the file last set on each tenant it owns):
 
@@ -244,6 +245,10 @@ async def load_tenants(scripts: Scripts, document: TenantsDocument) -> LoadResul
     - a tenant the file owned and no longer lists is disabled (what it has queued still runs)
       and its file keys are revoked;
     - tenants the file never listed are not touched.
+
+    ``prune`` False (``fairserve tenants load`` without ``--prune``): the tenants the file owned
+    and no longer lists are left as they are, so loading a partial file by hand never disables
+    the rest; a deploy loads the whole file and prunes.
     """
     client: aioredis.Redis = scripts.client
     store, api_keys = TenantStore(scripts), ApiKeys(scripts)
@@ -266,7 +271,7 @@ async def load_tenants(scripts: Scripts, document: TenantsDocument) -> LoadResul
         revoked += await _revoke(api_keys, tenant.id,
                                  set(last["keys"] if last else []) - set(applied["keys"]))
         await client.hset(keys.file_tenants(), tenant.id, json.dumps(applied))
-    for tenant_id, last in owned.items():
+    for tenant_id, last in (owned.items() if prune else ()):
         revoked += await _revoke(api_keys, tenant_id, set(last["keys"]))
         with contextlib.suppress(NotFoundError):
             await store.update(tenant_id, disabled=True)

@@ -319,6 +319,10 @@ def test_the_file_reconciles_its_tenants_and_leaves_cli_changes_and_others_alone
             assert (again.num_unchanged, again.num_updated, again.num_keys_revoked) == (2, 0, 0)
             assert (await store.get("acme")).disabled and (await store.get("beta")).rpm == 5
 
+            # a partial file loaded by hand without prune leaves beta alone
+            partial = await load_tenants(scripts, document({"weight": 2}, [k1, k2],
+                                                           with_beta=False), prune=False)
+            assert partial.num_released == 0 and not (await store.get("beta")).disabled
             # the file changes acme's weight and drops k2 and beta
             third = await load_tenants(scripts, document({"weight": 3}, [k1], with_beta=False))
             assert (third.num_updated, third.num_keys_revoked, third.num_released) == (1, 2, 1)
