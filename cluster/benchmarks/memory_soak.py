@@ -11,8 +11,11 @@ far, the router's resident memory and Redis's estimate of the keys that expired 
 reclaimed yet (``expired_stale_perc``); at the end, the keys by kind. An ended request's record and stream expire together
 after ``queues.resume_window_s`` (15 min); past it only an Idempotency-Key's digest stays (24 h).
 So ``used_memory`` should rise for one resume window (the records of the requests that ended
-within it), then stay flat but for the digests. The last lines give the growth over the
-samples after the first window: per minute, and per request finished meanwhile.
+within it), then follow the number of requests the window holds (which moves with the engine's
+throughput on a noisy machine) plus the digests. Each sample therefore also weighs the records in
+their window and the digests (MEMORY USAGE of each key), and what is left of ``used_memory``
+beyond them ("rest") is what must stay flat. The last lines give the growth over the samples
+after the first window: per request finished meanwhile, and per minute.
 """
 
 from __future__ import annotations
@@ -46,6 +49,15 @@ class Sample:
     num_finished: int
     router_rss_mb: float
     stale_percent: float  # Redis's estimate of keys expired but not yet reclaimed
+    window_records: int  # ended or running requests' records still within their window
+    window_bytes: int  # MEMORY USAGE of those records and their streams
+    digest_bytes: int  # MEMORY USAGE of the Idempotency-Key digests
+
+    @property
+    def residue_bytes(self) -> int:
+        """What ``used_memory`` holds beyond the records in their window and the digests: the
+        part that must stay flat."""
+        return self.used_bytes - self.window_bytes - self.digest_bytes
 
 
 async def traffic(base_url: str, key: str, model: str, args: argparse.Namespace,
@@ -86,11 +98,24 @@ def census(client: redis.Redis) -> dict[str, tuple[int, int, int]]:
     return {kind: (n, no_ttl, size) for kind, (n, no_ttl, size) in sorted(kinds.items())}
 
 
+def sizes(client: redis.Redis, pattern: str) -> tuple[int, int]:
+    """How many keys match ``pattern`` and their bytes (MEMORY USAGE, one pipeline)."""
+    names = list(client.scan_iter(match=pattern, count=1000))
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.memory_usage(name, samples=0)
+    return len(names), sum(size or 0 for size in pipe.execute())
+
+
 def sample(client: redis.Redis, started_s: float, finished: int, router: list[int]) -> Sample:
     info = client.info("memory")
     stale = float(client.info("stats").get("expired_stale_perc", 0.0))
+    records, record_bytes = sizes(client, "fs:*:req:*")
+    _, stream_bytes = sizes(client, "fs:*:stream:*")
+    _, digest_bytes = sizes(client, "fs:*:idem:*")
     return Sample((time.monotonic() - started_s) / 60, int(info["used_memory"]),
-                  int(client.dbsize()), finished, rss_mb(router), stale)
+                  int(client.dbsize()), finished, rss_mb(router), stale, records,
+                  record_bytes + stream_bytes, digest_bytes)
 
 
 async def soak(base_url: str, redis_url: str, key: str, model: str, args: argparse.Namespace,
@@ -101,7 +126,8 @@ async def soak(base_url: str, redis_url: str, key: str, model: str, args: argpar
     task = asyncio.create_task(traffic(base_url, key, model, args, finished, stop))
     started = time.monotonic()
     samples = [sample(client, started, 0, router)]
-    print(f"{'minute':>6} {'used MB':>9} {'keys':>7} {'finished':>9} {'router RSS MB':>14} "
+    print(f"{'minute':>6} {'used MB':>9} {'keys':>7} {'finished':>9} {'in window':>10} "
+          f"{'window MB':>10} {'digests MB':>11} {'rest MB':>8} {'router RSS MB':>14} "
           f"{'stale %':>8}", flush=True)
     while time.monotonic() - started < args.minutes * 60:
         await asyncio.sleep(args.sample_s)
@@ -110,8 +136,9 @@ async def soak(base_url: str, redis_url: str, key: str, model: str, args: argpar
         samples.append(sample(client, started, finished[0], router))
         s = samples[-1]
         print(f"{s.minute:6.1f} {s.used_bytes / 2**20:9.2f} {s.num_keys:7d} "
-              f"{s.num_finished:9d} {s.router_rss_mb:14.0f} {s.stale_percent:8.1f}",
-              flush=True)
+              f"{s.num_finished:9d} {s.window_records:10d} {s.window_bytes / 2**20:10.2f} "
+              f"{s.digest_bytes / 2**20:11.2f} {s.residue_bytes / 2**20:8.2f} "
+              f"{s.router_rss_mb:14.0f} {s.stale_percent:8.1f}", flush=True)
     stop.set()
     await asyncio.wait_for(task, 600)
     print(f"\n{'keys by kind':<16} {'count':>7} {'no TTL':>7} {'KB':>9}")
@@ -121,12 +148,19 @@ async def soak(base_url: str, redis_url: str, key: str, model: str, args: argpar
     if len(settled) >= 2:
         first, last = settled[0], settled[-1]
         minutes = last.minute - first.minute
-        grown = last.used_bytes - first.used_bytes
         done = max(1, last.num_finished - first.num_finished)
-        print(f"\nafter the first resume window ({window_s} s): used_memory "
-              f"{first.used_bytes / 2**20:.2f} -> {last.used_bytes / 2**20:.2f} MB over "
-              f"{minutes:.1f} min: {grown / 1024 / minutes:+.1f} KB/min, "
-              f"{grown / done:+.0f} bytes per request finished meanwhile ({done})")
+        grown = last.used_bytes - first.used_bytes
+        rest = last.residue_bytes - first.residue_bytes
+        digests = last.digest_bytes - first.digest_bytes
+        print(f"\nafter the first resume window ({window_s} s), over {minutes:.1f} min and "
+              f"{done} requests finished:\n"
+              f"  used_memory {first.used_bytes / 2**20:.2f} -> {last.used_bytes / 2**20:.2f} MB"
+              f" ({grown / done:+.0f} bytes per request; the window held "
+              f"{first.window_records} -> {last.window_records} records)\n"
+              f"  digests {digests / done:+.0f} bytes per request (kept 24 h)\n"
+              f"  the rest (used_memory less the window's records and the digests) "
+              f"{first.residue_bytes / 2**20:.2f} -> {last.residue_bytes / 2**20:.2f} MB: "
+              f"{rest / done:+.0f} bytes per request, {rest / 1024 / minutes:+.1f} KB/min")
     else:
         print(f"\nthe soak was shorter than one resume window ({window_s} s) plus a sample")
     return samples
