@@ -60,6 +60,10 @@ DEAD_LETTER_TTL_S = 7 * 24 * 3600  # the dead-letter set of a tenant, refreshed 
 REPLICA_REPORT_TTL_S = 5  # a load report not refreshed for this long is of a dead replica
 READER_LEASE_S = 30  # a reader whose router stopped renewing it (a crash) is let go after this
 READER_RETRY_MS = 1_000  # Retry-After of a request refused for its tenant's open readers
+# Clients reading one request at once (its first, Idempotency-Key retries, GET resumes): each
+# token a request makes is written to every one of them, so without a cap one tenant's request
+# could take a router's CPU many times over (a retry and a resume or two is what a client needs)
+MAX_READERS_PER_REQUEST = 8
 STREAM_MAX_EVENTS = 100_000  # approximate cap (XADD MAXLEN ~) on one request's stream
 
 _TEMPLATES: dict[str, str] = {
@@ -101,6 +105,7 @@ SCRIPT_CONSTANTS: dict[str, str | int] = {
     "dead_ttl_s": DEAD_LETTER_TTL_S,
     "stream_max_events": STREAM_MAX_EVENTS,
     "reader_retry_ms": READER_RETRY_MS,
+    "max_readers_per_request": MAX_READERS_PER_REQUEST,
 }
 
 

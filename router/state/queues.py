@@ -84,6 +84,7 @@ _REFUSAL_MESSAGES = {
     "daily_budget": "daily token budget used up",
     "streams": "the tenant has its limit of open requests (max_streams) being waited on",
     "resumes": "the tenant has its limit of resumed streams (max_resumes) open",
+    "readers": f"the request has {keys.MAX_READERS_PER_REQUEST} clients reading it already",
 }
 RENEW_READERS_BATCH = 1_000
 

@@ -16,6 +16,9 @@ from typing import Any
 import httpx
 import yaml
 
+from router.state import keys
+from router.state.capacity import read_loads
+from router.state.redis_client import connect
 from tests.cluster.factories import UpProcess
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -172,3 +175,46 @@ def _take(result: StreamResult, payload: str) -> None:
         result.text += choice.get("delta", {}).get("content") or ""
         if choice.get("finish_reason"):
             result.finish_reasons.append(choice["finish_reason"])
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+async def leftovers(redis_url: str, tenants: tuple[str, ...], timeout_s: float = 60.0
+                    ) -> dict[str, object]:
+    """Waits for the cluster to settle; what is still held then (empty: nothing): request
+    leases, ``tenants``' queues and open readers, detached requests, reader leases, replica
+    slots, engine sequences and KV blocks."""
+    client = connect(redis_url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            held: dict[str, object] = {}
+            if leases := await client.zcard(keys.leases()):
+                held["leases"] = leases
+            for tenant in tenants:
+                if queued := await client.llen(keys.queue(tenant)):
+                    held[f"queue {tenant}"] = queued
+                opened = await client.hmget(keys.state(tenant), "open_stream", "open_resume")
+                if any(int(n or 0) for n in opened):
+                    held[f"readers {tenant}"] = opened
+            if readers := await client.zcard(keys.readers()):
+                held["reader leases"] = readers
+            if detached := await client.zcard(keys.detached()):
+                held["detached"] = detached
+            for load in await read_loads(client):
+                if load.ongoing or load.num_running or load.num_waiting:
+                    held[f"{load.replica_id} slots"] = (load.ongoing, load.num_running,
+                                                       load.num_waiting)
+                if load.num_free_kv_blocks != load.num_total_kv_blocks:
+                    held[f"{load.replica_id} kv"] = load.num_total_kv_blocks - load.num_free_kv_blocks
+            if not held or time.monotonic() > deadline:
+                return held
+            await asyncio.sleep(0.5)
+    finally:
+        await client.aclose()

@@ -17,11 +17,8 @@ import httpx
 import pytest
 
 from cluster.launcher import add_tenant_with_key
-from router.state import keys
-from router.state.capacity import read_loads
-from router.state.redis_client import connect
 from router.state.tenants import Tenant
-from tests.chaos.factories import MODEL, ROUTER_TITLE, pids_titled, start
+from tests.chaos.factories import MODEL, ROUTER_TITLE, leftovers, pids_titled, rss_mb, start
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.e2e]
 
@@ -81,14 +78,6 @@ async def client_loop(http: httpx.AsyncClient, base: str, key: str, tally: Tally
         await asyncio.sleep(min(float(retry_after), max(0.0, until - time.monotonic())))
 
 
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for {pid}")
-
-
 async def run_phase(base: str, clients: dict[str, tuple[str, int]], router_pid: int
                     ) -> tuple[dict[str, Tally], float]:
     """``clients``: tenant -> (key, number of concurrent clients). Returns the tallies and the
@@ -105,33 +94,6 @@ async def run_phase(base: str, clients: dict[str, tuple[str, int]], router_pid: 
             await asyncio.sleep(0.5)
         await asyncio.gather(*tasks)
     return tallies, peak
-
-
-async def leftovers(redis_url: str, timeout_s: float = 60.0) -> dict[str, object]:
-    """Waits for the cluster to settle; what is still held then (empty: nothing)."""
-    client = connect(redis_url)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            held: dict[str, object] = {}
-            if leases := await client.zcard(keys.leases()):
-                held["leases"] = leases
-            for tenant in (*QUIET, "noisy", "c", "d"):
-                if queued := await client.llen(keys.queue(tenant)):
-                    held[f"queue {tenant}"] = queued
-            if detached := await client.zcard(keys.detached()):
-                held["detached"] = detached
-            for load in await read_loads(client):
-                if load.ongoing or load.num_running or load.num_waiting:
-                    held[f"{load.replica_id} slots"] = (load.ongoing, load.num_running,
-                                                       load.num_waiting)
-                if load.num_free_kv_blocks != load.num_total_kv_blocks:
-                    held[f"{load.replica_id} kv"] = load.num_total_kv_blocks - load.num_free_kv_blocks
-            if not held or time.monotonic() > deadline:
-                return held
-            await asyncio.sleep(0.5)
-    finally:
-        await client.aclose()
 
 
 def check_refusals(tallies: dict[str, Tally]) -> None:
@@ -178,7 +140,7 @@ def test_overload_only_refuses_and_leaves_nothing(tmp_path) -> None:
                 statistics.median(solo[tenant].latencies_s),
                 statistics.median(flooded[tenant].latencies_s))
 
-        held = asyncio.run(leftovers(redis_url))
+        held = asyncio.run(leftovers(redis_url, (*QUIET, "noisy", "c", "d")))
         assert not held, held
         growth = max(peak_ten_x, peak_flood) - rss_start
         assert growth < 200, (rss_start, peak_ten_x, peak_flood)  # MB: bounded, not per request

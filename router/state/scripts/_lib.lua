@@ -256,8 +256,10 @@ end
 -- (fs:{t}:state open_<kind>) against the tenant's limit; the request counts its own (readers).
 local READER_LIMITS = {stream = 'max_streams', resume = 'max_resumes'}
 
--- A reader of request rid starts, unless its tenant has its limit of this kind open already:
--- {'refused', kind, retry ms}; else {'ok', the request's readers now}. The request must exist.
+-- A reader of request rid starts, unless its tenant has its limit of this kind open already
+-- ({'refused', kind .. 's', retry ms}) or the request has K.max_readers_per_request readers
+-- ({'refused', 'readers', retry ms}); else {'ok', the request's readers now}. The request must
+-- exist.
 local function attach_reader(t, rid, tenant, reader, kind, expiry_ms)
   local limit_name = READER_LIMITS[kind]
   if not limit_name then return redis.error_reply('FSINVALID kind reader kind ' .. tostring(kind)) end
@@ -268,10 +270,15 @@ local function attach_reader(t, rid, tenant, reader, kind, expiry_ms)
     stat(t, 'refused_' .. kind .. 's')
     return {'refused', kind .. 's', K.reader_retry_ms}
   end
+  local rk = key('request', t, rid)
+  if (tonumber(redis.call('HGET', rk, 'readers') or '0') or 0) >= tonumber(K.max_readers_per_request) then
+    stat(t, 'refused_readers')
+    return {'refused', 'readers', K.reader_retry_ms}
+  end
   redis.call('ZADD', K.readers, expiry_ms, t .. ' ' .. rid .. ' ' .. reader .. ' ' .. kind)
   redis.call('HINCRBY', sk, 'open_' .. kind, 1)
   redis.call('ZREM', K.detached, t .. ' ' .. rid)
-  return {'ok', redis.call('HINCRBY', key('request', t, rid), 'readers', 1)}
+  return {'ok', redis.call('HINCRBY', rk, 'readers', 1)}
 end
 
 -- A reader goes away (its client left, its stream ended, or its lease ran out): its tenant's

@@ -71,6 +71,40 @@ def test_open_streams_and_resumes_are_capped_per_tenant(redis_url) -> None:
     run(scenario())
 
 
+def test_one_request_has_at_most_max_readers_per_request(redis_url) -> None:
+    """Every token of a request is written to each of its readers: retries joining it and
+    resumes of it are capped per request, so a tenant cannot multiply a router's work on one
+    request by its whole max_streams (the hostile-tenant test's fan-out)."""
+    async def scenario() -> None:
+        async with harness(redis_url, ManualClock(int(time.time() * 1000))) as h:
+            await add_tenants(h, Tenant(id="acme"))
+            leases = ReaderLeases(h.queues, GRACE_MS)
+            first = stream_reader(leases, "acme", "r1")
+            await h.queues.admit(make_request("acme", "r1", reader=first,
+                                              reader_lease_end_ms=lease_end_ms()))
+            leases.admitted(first)
+            joined = [stream_reader(leases, "acme", "r1")
+                      for _ in range(keys.MAX_READERS_PER_REQUEST - 2)]
+            for reader in joined:
+                await leases.attach(reader)
+            resume = leases.new("acme", "r1", ReaderKind.RESUME)
+            await leases.attach(resume)  # the cap's last place
+            for extra in (stream_reader(leases, "acme", "r1"),
+                          leases.new("acme", "r1", ReaderKind.RESUME)):
+                with pytest.raises(RateLimitError) as err:
+                    await leases.attach(extra)
+                assert err.value.status == 429 and err.value.reason == "readers"
+                assert err.value.retry_after_s == keys.READER_RETRY_MS / 1000
+            assert int(await h.client.hget(keys.request("acme", "r1"), "readers")) == (
+                keys.MAX_READERS_PER_REQUEST)
+            assert await open_counts(h, "acme") == (keys.MAX_READERS_PER_REQUEST - 1, 1)
+            # a reader's end gives its place back
+            await leases.detach(joined[0])
+            await leases.attach(stream_reader(leases, "acme", "r1"))
+
+    run(scenario())
+
+
 def test_a_dead_routers_readers_are_let_go_and_their_requests_detached(redis_url) -> None:
     async def scenario() -> None:
         clock = ManualClock(int(time.time() * 1000))
