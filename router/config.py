@@ -40,6 +40,12 @@ class ApiSettings(BaseModel):
         1024 * 1024, ge=1024, le=64 * 1024 * 1024,
         description="largest request body; a larger one is refused with 413",
     )
+    max_requests_per_tenant: int = Field(
+        600, ge=1, le=100_000,
+        description="HTTP requests of one tenant a router holds at once (streams, resumes, "
+        "requests being admitted); past it a 429 at once, before the body is read, so one "
+        "tenant cannot take the router's slots (router.max_ongoing_requests). Keep it at least "
+        "the tenants' max_streams + max_resumes")
     stream_idle_timeout_s: float = Field(
         600.0, gt=0, description="a response with no event for this long ends with an error"
     )

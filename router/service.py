@@ -28,6 +28,7 @@ from router.api.openapi import EVENT_ID_PATTERN, DeploymentLimits
 from router.api.prompt_tokenizer import ModelInfo, PromptTokenizer
 from router.api.sampling import check_sampling, sampling_wire, stream_max_tokens
 from router.api.shaper import Shape
+from router.api.tenant_gate import KnownKeys
 from router.config import ApiSettings, QueueSettings
 from router.dispatch import response_events
 from router.dispatch.dispatcher import Dispatcher, DispatchSettings
@@ -109,7 +110,8 @@ class RouterService:
         self.tracing = options.tracing
         self.tokenizer = PromptTokenizer(model)
         scripts = Scripts(client, resume_window_s=options.queues.resume_window_s)
-        self.api_keys = ApiKeys(scripts)
+        self.known_keys = KnownKeys()  # the tenant gate's: keys that authenticated here
+        self.api_keys = ApiKeys(scripts, self.known_keys)
         self.queues = TenantQueues(scripts, options.queues)
         self.mux = StreamMux(client)
         self.readers = ReaderLeases(self.queues, int(self.api.detach_grace_s * 1000))

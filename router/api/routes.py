@@ -46,6 +46,7 @@ from router.api.openai_models import (
 )
 from router.api.openapi import openapi_document
 from router.api.shaper import Shape, Shaper, sse_data
+from router.api.tenant_gate import TenantGate
 from router.dispatch.response_events import ChunkData, EndData
 from router.dispatch.streams import START
 from router.errors import (
@@ -126,7 +127,9 @@ def build_api(service: RouterService) -> FastAPI:
 
     app.openapi = openapi  # type: ignore[method-assign]
     app.add_middleware(BodyLimit, max_bytes=service.api.max_body_bytes)
-    app.add_middleware(ServerSpans, tracing=service.tracing)  # outermost: sees every response
+    app.add_middleware(ServerSpans, tracing=service.tracing)  # sees every response but ...
+    app.add_middleware(TenantGate, known=service.known_keys,  # ... the gate's, outermost
+                       max_requests_per_tenant=service.api.max_requests_per_tenant)
     _add_error_handlers(app, service)
 
     @app.get("/health", summary="liveness")

@@ -13,7 +13,7 @@ import hmac
 import secrets
 import time
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import redis.asyncio as aioredis
 
@@ -23,11 +23,15 @@ from router.errors import (
     InvalidRequestError,
     NotFoundError,
     PermissionDeniedError,
+    RateLimitError,
     StoredDataError,
 )
 from router.state import keys
 from router.state.quota_check import DAY_MS, refuse_if_exhausted
 from router.state.scripts import Script, Scripts
+
+if TYPE_CHECKING:
+    from router.api.tenant_gate import KnownKeys
 
 KEY_PREFIX = "fs-"
 KEY_ID_HEX_CHARS = 8
@@ -61,9 +65,10 @@ def new_key() -> tuple[str, str]:
 
 
 class ApiKeys:
-    def __init__(self, scripts: Scripts) -> None:
+    def __init__(self, scripts: Scripts, known: KnownKeys | None = None) -> None:
         self.scripts = scripts
         self.client: aioredis.Redis = scripts.client
+        self.known = known  # told of every key that proves to be a tenant's (the tenant gate)
 
     async def create(self, tenant_id: str, label: str = "") -> CreatedKey:
         keys.check_tenant_id(tenant_id)
@@ -123,6 +128,8 @@ class ApiKeys:
             key_id = record[b"key_id"].decode()
         except (KeyError, UnicodeDecodeError, InvalidRequestError):
             raise StoredDataError(f"malformed API key record {where}") from None
+        if self.known is not None:
+            self.known.learn(presented, owner)
         if tenant_id is not None and keys.check_tenant_id(tenant_id) != owner:
             raise PermissionDeniedError("this API key does not belong to that tenant",
                                         param="tenant")
@@ -137,7 +144,12 @@ class ApiKeys:
         pipe.get(keys.budget(owner, int(now_ms // DAY_MS)))
         tenant, tats, used = await pipe.execute()
         _check_enabled(owner, tenant[0])
-        refuse_if_exhausted(tenant[1:], tats, used, now_ms)
+        try:
+            refuse_if_exhausted(tenant[1:], tats, used, now_ms)
+        except RateLimitError as refusal:
+            if self.known is not None:  # no request of the tenant gets through meanwhile
+                self.known.refused(owner, refusal)
+            raise
         return Principal(owner, key_id)
 
 

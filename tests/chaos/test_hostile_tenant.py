@@ -52,7 +52,8 @@ async def time_to_first_token(http: httpx.AsyncClient, base: str, key: str, n: i
                            headers={"Authorization": f"Bearer {key}"}) as response:
         assert response.status_code == 200, (response.status_code, await response.aread())
         async for line in response.aiter_lines():
-            if first is None and line.startswith("data:") and '"content":"' in line:
+            if first is None and line.startswith("data:") and line[5:].strip() != "[DONE]" \
+                    and any(c["delta"].get("content") for c in json.loads(line[5:])["choices"]):
                 first = time.monotonic() - started
     assert first is not None, "no token"
     return first
@@ -113,14 +114,16 @@ def test_a_hostile_tenant_cannot_slow_the_quiet_one(tmp_path) -> None:
         print(f"\nhostile tenant: quiet tenant's time to first token, median {solo_ms:.0f} ms "
               f"alone ({len(solo)}), {flooded_ms:.0f} ms beside the attack ({len(flooded)}): "
               f"x{flooded_ms / solo_ms:.2f}; router RSS {rss_start:.0f} -> peak {peak[0]:.0f} "
-              f"MB; attacker's answers {by_kind}")
+              f"MB; attacker's answers {by_kind}; median seconds {report['median_s']}")
+        print(json.dumps(report["samples"], indent=1))
 
-        for kind, outcomes in by_kind.items():
-            assert set(outcomes) <= ALLOWED, (kind, outcomes)
-        assert by_kind["stream"].get("429", 0) > 0  # capped: never 2,000 open
-        assert by_kind["1mib_prompt"].keys() <= {"400", "429"}, by_kind["1mib_prompt"]
+        for kind, outcomes in by_kind.items():  # "429 <code>": which limit answered
+            assert {o.split()[0] for o in outcomes} <= ALLOWED, (kind, outcomes)
+        assert sum(n for o, n in by_kind["stream"].items() if o.startswith("429")) > 0
+        assert by_kind["1mib_prompt"].keys() <= {"400", "429 tpm"}, by_kind["1mib_prompt"]
         assert by_kind["over_1mib"].keys() <= {"413"}, by_kind["over_1mib"]
-        assert by_kind["join"].get("429", 0) > 0 and by_kind["resume"].get("429", 0) > 0
+        assert by_kind["join"].get("429 readers", 0) > 0, by_kind["join"]
+        assert by_kind["resume"].get("429 readers", 0) > 0, by_kind["resume"]
         assert not held, held
         assert peak[0] - rss_start < 200, (rss_start, peak[0])  # MB
         assert flooded_ms <= 1.5 * solo_ms, (solo, flooded)
