@@ -167,12 +167,10 @@ class BacklogPolicy:
 
     def _redis(self) -> Any:
         if self._client is None:
-            import redis
-
-            from router.state.redis_client import with_env_password
+            from router.state.redis_client import sync_connect, with_env_password
 
             url = with_env_password(self.redis_url)  # the password never travels through Ray
-            self._client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
+            self._client = sync_connect(url, socket_timeout=1, socket_connect_timeout=1)
         return self._client
 
     def _read_backlog(self, now: float) -> tuple[int, int]:

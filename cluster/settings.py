@@ -130,7 +130,9 @@ class RouterSettings(_Branch):
 
 class RedisSettings(_Branch):
     url: str | None = Field(
-        None, description="an existing Redis (redis://, rediss://); none: start the embedded one"
+        None, description="an existing Redis (redis://, rediss://), or Redis Sentinel "
+        "(redis+sentinel://host:port[,host:port...]/<service>[/<db>]: the clients follow a "
+        "failover by themselves; see queues.replicas_to_ack); none: start the embedded one"
     )
     password: SecretStr | None = Field(
         None, description="the password of `url`, when the URL has none (from "

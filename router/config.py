@@ -29,6 +29,15 @@ class QueueSettings(BaseModel):
         description="how long an ended request can still be read (resume, Idempotency-Key "
         "replay): its record and its stream expire together then; an Idempotency-Key is "
         "remembered 24 h, so a later retry gets a 409, never a second run")
+    replicas_to_ack: int = Field(
+        0, ge=0, le=16,
+        description="Redis replicas that must hold an admission before the client is told it "
+        "was accepted (Redis WAIT after the admission): with a primary, its replicas and "
+        "Sentinel, an acknowledged request then survives a failover; 0: the primary's word "
+        "(and its appendfsync) is enough")
+    ack_timeout_ms: int = Field(
+        500, ge=1, le=60_000, description="how long an admission waits for those replicas; "
+        "past it the client gets 503 not_replicated and retries")
 
 
 class ApiSettings(BaseModel):

@@ -171,3 +171,17 @@ class StoreFullError(OverloadedError):
         super().__init__("the queue store is full (Redis at its maxmemory): new requests are "
                          f"refused until ended ones expire; retry later ({detail})",
                          self.RETRY_AFTER_S)
+
+
+class NotReplicatedError(OverloadedError):
+    """An admission was written to the Redis primary but not copied to
+    ``queues.replicas_to_ack`` replicas in time (``WAIT``), so a failover could lose it: the
+    client is not told it was accepted, and retries (with the same Idempotency-Key it joins the
+    request if the admission survived)."""
+
+    code = "not_replicated"
+
+    def __init__(self, acked: int, wanted: int, timeout_ms: int) -> None:
+        super().__init__(f"the request was not copied to {wanted} Redis replica(s) within "
+                         f"{timeout_ms} ms ({acked} acknowledged): retry with the same "
+                         "Idempotency-Key", 1.0)

@@ -41,6 +41,7 @@ from router.errors import (
     PAST_THE_STREAM,
     InvalidRequestError,
     NotFoundError,
+    NotReplicatedError,
     RateLimitError,
     RouterError,
 )
@@ -198,10 +199,15 @@ class RouterService:
         trace_fields = carrier() if self.tracing.is_on else {}
         meta = encode_meta({**trace_fields, "shape": shape.to_wire()}, now_ns())
         reader = self.readers.new(principal.tenant_id, request_id, ReaderKind.STREAM)
-        admission = await self.queues.admit(AdmitRequest(
-            principal.tenant_id, request_id, len(prompt_ids), max_tokens, body, meta,
-            num_choices=request.n, reader=reader, reader_lease_end_ms=lease_end_ms(),
-            is_idempotent=idempotency_key is not None))
+        try:
+            admission = await self.queues.admit(AdmitRequest(
+                principal.tenant_id, request_id, len(prompt_ids), max_tokens, body, meta,
+                num_choices=request.n, reader=reader, reader_lease_end_ms=lease_end_ms(),
+                is_idempotent=idempotency_key is not None))
+        except NotReplicatedError:  # admitted on the primary: its client goes away for now
+            self.readers.admitted(reader)  # (a retry with the key joins it within the grace)
+            await self.detach(reader)
+            raise
         if admission.is_duplicate:  # a retry joins the request: a reader of its own
             await self.readers.attach(reader)
         else:

@@ -170,5 +170,5 @@ async def _refuse(send: Send, code: str, message: str, retry_after: int) -> None
         "param": None, "code": code}}).encode()
     await send({"type": "http.response.start", "status": 429, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        (b"retry-after", str(retry_after).encode())]})
+        (b"retry-after", str(retry_after).encode()), (b"x-ratelimit-reason", code.encode())]})
     await send({"type": "http.response.body", "body": body})

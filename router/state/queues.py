@@ -48,6 +48,7 @@ from router.errors import (
     InvalidRequestError,
     LeaseLostError,
     NotFoundError,
+    NotReplicatedError,
     PermissionDeniedError,
     RateLimitError,
     RequestTooLargeError,
@@ -98,18 +99,34 @@ class TenantQueues:
     # ---- admission ----
 
     async def admit(self, request: AdmitRequest) -> Admission:
-        reply = await self.scripts.run(Script.ADMIT, *self._admit_args(request))
-        return _admission(request, reply)
+        if not self.settings.replicas_to_ack:
+            reply = await self.scripts.run(Script.ADMIT, *self._admit_args(request))
+            return _admission(request, reply)
+        result = (await self.admit_many([request]))[0]
+        if isinstance(result, RouterError):
+            raise result
+        return result
 
     async def admit_many(self, requests: list[AdmitRequest]) -> list[Admission | RouterError]:
-        """Pipelined admissions; each entry is the admission or the error that refused it."""
-        replies = await self.scripts.run_many(Script.ADMIT, [self._admit_args(r) for r in requests])
+        """Pipelined admissions; each entry is the admission or the error that refused it.
+        With ``replicas_to_ack``, the pipeline ends with a ``WAIT``: an admission that fewer
+        replicas acknowledged within ``ack_timeout_ms`` is a NotReplicatedError (503) instead,
+        since a failover could lose it."""
+        wanted = self.settings.replicas_to_ack
+        replies, acked = await self.scripts.run_many_acked(
+            Script.ADMIT, [self._admit_args(r) for r in requests], wanted,
+            self.settings.ack_timeout_ms)
         results: list[Admission | RouterError] = []
         for request, reply in zip(requests, replies, strict=True):
             try:
-                results.append(_admission(request, reply))
+                admission = _admission(request, reply)
             except RouterError as exc:
                 results.append(exc)
+                continue
+            if acked < wanted:
+                results.append(NotReplicatedError(acked, wanted, self.settings.ack_timeout_ms))
+            else:
+                results.append(admission)
         return results
 
     def _admit_args(self, request: AdmitRequest) -> tuple[Any, ...]:

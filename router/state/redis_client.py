@@ -6,6 +6,12 @@ batched script call has hundreds of arguments, and packing them cost a dispatche
 the server spent running the script. With hiredis installed (a dependency) the packing is done
 by ``hiredis.pack_command`` in C; anything it refuses goes through redis-py's own packer, so the
 errors for bad arguments stay redis-py's.
+
+A URL may name Redis Sentinel instead of a server: ``redis+sentinel://[user:password@]host:port
+[,host:port...]/<service>[/<db>]`` (the sentinels' addresses, the monitored primary's name). The
+client asks the sentinels for the primary before it connects and again after a connection
+fails, so after a failover it follows the new primary by itself (redis-py's Sentinel pool);
+the user and password are the data servers' (the sentinels are asked without one).
 """
 
 from __future__ import annotations
@@ -14,11 +20,15 @@ import asyncio
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, urlparse, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlparse, urlsplit, urlunsplit
 
 import hiredis
+import redis
 import redis.asyncio as aioredis
+import redis.sentinel
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -34,6 +44,62 @@ class PackedConnection(aioredis.Connection):
             return [hiredis.pack_command((*split, *args[1:]))]
         except TypeError:
             return super().pack_command(*args)
+
+
+class PackedSentinelConnection(SentinelManagedConnection):
+    """A connection to the primary a Sentinel names, packed by hiredis."""
+
+    pack_command = PackedConnection.pack_command
+
+
+class BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """A bounded Sentinel pool whose callers wait for a free connection (as ``connect``'s)."""
+
+
+SENTINEL_SCHEME = "redis+sentinel"
+SENTINEL_PORT = 26379
+
+
+@dataclass(frozen=True)
+class SentinelAddress:
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int
+    username: str | None
+    password: str | None
+
+
+def sentinel_address(url: str) -> SentinelAddress:
+    """The parts of a ``redis+sentinel://`` URL; ValueError for a malformed one."""
+    parts = urlsplit(url)
+    if parts.scheme != SENTINEL_SCHEME:
+        raise ValueError(f"not a {SENTINEL_SCHEME}:// URL")
+    sentinels = []
+    for hostport in parts.netloc.rpartition("@")[2].split(","):
+        host, colon, port = hostport.rpartition(":")
+        if not colon:
+            host, port = hostport, str(SENTINEL_PORT)
+        if not host or not port.isdigit():
+            raise ValueError(f"a sentinel address is host:port, not {hostport!r}")
+        sentinels.append((host.strip("[]"), int(port)))
+    path = [p for p in parts.path.split("/") if p]
+    if not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
+        raise ValueError(f"{SENTINEL_SCHEME}:// URLs end in /<service>[/<db>], not {parts.path!r}")
+    return SentinelAddress(tuple(sentinels), path[0], int(path[1]) if len(path) == 2 else 0,
+                           unquote(parts.username) if parts.username else None,
+                           unquote(parts.password) if parts.password is not None else None)
+
+
+def sync_connect(url: str, **kwargs: Any) -> redis.Redis:
+    """A blocking client for ``url`` (plain or Sentinel), for the CLI and the autoscaler."""
+    if urlparse(url).scheme != SENTINEL_SCHEME:
+        return redis.Redis.from_url(url, **kwargs)
+    address = sentinel_address(url)
+    sentinel = redis.sentinel.Sentinel(
+        list(address.sentinels), socket_timeout=kwargs.get("socket_timeout"),
+        socket_connect_timeout=kwargs.get("socket_connect_timeout"))
+    return sentinel.master_for(address.service, db=address.db, username=address.username,
+                               password=address.password, **kwargs)
 
 
 POOL_WAIT_S = 10.0  # how long a command waits for a free connection of a bounded pool
@@ -80,18 +146,36 @@ def with_env_password(url: str) -> str:
 
 
 def connect(url: str, max_connections: int | None = None, **kwargs: Any) -> aioredis.Redis:
-    """An async client for ``url``; plain ``redis://`` connections pack with hiredis.
+    """An async client for ``url`` (``redis://`` or ``redis+sentinel://``), packing with
+    hiredis.
 
     With ``max_connections`` the pool is bounded and blocking: a burst of requests waits for a
     connection (up to ``POOL_WAIT_S``) instead of failing with "Too many connections".
     """
-    if urlparse(url).scheme == "redis" and "connection_class" not in kwargs:
+    scheme = urlparse(url).scheme
+    if scheme == SENTINEL_SCHEME:
+        return _connect_sentinel(sentinel_address(url), max_connections, **kwargs)
+    if scheme == "redis" and "connection_class" not in kwargs:
         kwargs["connection_class"] = PackedConnection
     if max_connections is None:
         return aioredis.from_url(url, **kwargs)
     pool = aioredis.BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=POOL_WAIT_S, **kwargs)
     return aioredis.Redis.from_pool(pool)
+
+
+def _connect_sentinel(address: SentinelAddress, max_connections: int | None,
+                      **kwargs: Any) -> aioredis.Redis:
+    sentinel = Sentinel(list(address.sentinels), socket_timeout=kwargs.get("socket_timeout"),
+                        socket_connect_timeout=kwargs.get("socket_connect_timeout"))
+    pool: dict[str, Any] = {"connection_pool_class": SentinelConnectionPool}
+    if max_connections is not None:
+        pool = {"connection_pool_class": BlockingSentinelPool,
+                "max_connections": max_connections, "timeout": POOL_WAIT_S}
+    return sentinel.master_for(  # type: ignore[no-any-return]
+        address.service, redis_class=aioredis.Redis, db=address.db, username=address.username,
+        password=address.password, connection_class=kwargs.pop(
+            "connection_class", PackedSentinelConnection), **pool, **kwargs)
 
 
 # ---- readiness: a server is ready once its dataset is in memory ----

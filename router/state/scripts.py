@@ -106,27 +106,44 @@ class Scripts:
 
     async def run_many(self, script: Script, calls: list[tuple[Any, ...]]) -> list[Any]:
         """One pipeline (no MULTI) of calls of one script; replies in order."""
+        replies, _ = await self.run_many_acked(script, calls, 0, 0)
+        return replies
+
+    async def run_many_acked(self, script: Script, calls: list[tuple[Any, ...]], replicas: int,
+                             timeout_ms: int) -> tuple[list[Any], int]:
+        """As ``run_many``, and with ``replicas`` > 0 a ``WAIT replicas timeout_ms`` at the end
+        of the same pipeline (so on the connection that made the writes, which is what WAIT
+        counts): the replies and how many replicas acknowledged them (0 without a WAIT)."""
         if not calls:
-            return []
+            return [], 0
         if script not in self._shas:
             await self.load()
-        replies = await self._pipeline(script, calls)
+        replies = await self._pipeline(script, calls, replicas, timeout_ms)
         first = next(
             (i for i, r in enumerate(replies) if isinstance(r, redis.exceptions.NoScriptError)),
             None,
         )
         if first is not None:  # the calls before it ran; rerun the rest
             await self.load()
-            replies = [*replies[:first], *await self._pipeline(script, calls[first:])]
+            replies = [*replies[:first], *await self._pipeline(script, calls[first:], replicas,
+                                                               timeout_ms)]
+        acked = 0
+        if replicas:
+            acked = replies.pop()
+            if isinstance(acked, Exception):
+                raise acked
         for reply in replies:
             if isinstance(reply, redis.exceptions.ResponseError):
                 raise script_error(reply)
-        return replies
+        return replies, int(acked)
 
-    async def _pipeline(self, script: Script, calls: list[tuple[Any, ...]]) -> list[Any]:
+    async def _pipeline(self, script: Script, calls: list[tuple[Any, ...]], replicas: int = 0,
+                        timeout_ms: int = 0) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
         for args in calls:
             pipe.evalsha(self._shas[script], 0, *self._argv(args))
+        if replicas:
+            pipe.execute_command("WAIT", replicas, timeout_ms)
         return list(await pipe.execute(raise_on_error=False))
 
 

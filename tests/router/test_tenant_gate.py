@@ -87,6 +87,7 @@ def test_a_tenant_holds_at_most_its_share_of_a_routers_requests() -> None:
             assert refused.json()["error"]["code"] == REASON
             assert refused.json()["error"]["type"] == "rate_limit_error"
             assert int(refused.headers["retry-after"]) >= 1
+            assert refused.headers["x-ratelimit-reason"] == REASON
             assert inner.seen == 2  # refused before the app saw it
             # another tenant, and a key the gate does not know, go through
             others = [asyncio.create_task(http.post("/hold", headers=auth(k)))
