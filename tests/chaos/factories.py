@@ -160,6 +160,17 @@ async def resilient_stream(client: httpx.AsyncClient, base: str, key: str, body:
         await asyncio.sleep(0.5)
 
 
+def assert_exact(results: list[StreamResult], expected: list[str], max_tokens: int) -> None:
+    """Every client received, in the end, exactly the uninterrupted text: no error, one
+    ``[DONE]``, finish ``length``, usage counting each of ``max_tokens`` once."""
+    for i, (result, text) in enumerate(zip(results, expected, strict=True)):
+        assert not result.errors, (i, result.errors)
+        assert result.num_done == 1 and result.finish_reasons == ["length"], (i, result)
+        assert result.text == text, (i, result.text, text)
+        assert result.usage is not None
+        assert result.usage["completion_tokens"] == max_tokens, (i, result.usage)
+
+
 def _take(result: StreamResult, payload: str) -> None:
     if payload == "[DONE]":
         result.num_done += 1
