@@ -1,4 +1,5 @@
-"""``fairserve status``: readiness, replicas (from their load reports) and tenants' queues."""
+"""``fairserve status``: readiness, Redis's role, replicas (from their load reports) and tenants'
+queues."""
 
 from __future__ import annotations
 
@@ -25,11 +26,22 @@ def fetch_json(url: str) -> tuple[int, Any]:
         return 0, {"error": str(exc)}
 
 
+def redis_role(replication: dict[str, Any]) -> str:
+    """One line from ``INFO replication``: the server's role and its replicas (or primary)."""
+    if replication.get("role") != "master":
+        return (f"replica of {replication.get('master_host')}:{replication.get('master_port')} "
+                f"(link {replication.get('master_link_status')})")
+    replicas = [replication[f"slave{i}"] for i in range(int(replication["connected_slaves"]))]
+    listed = ", ".join(f"{r['ip']}:{r['port']} {r['state']}, lag {r['lag']} s" for r in replicas)
+    return f"primary, {len(replicas)} replica(s){': ' + listed if listed else ''}"
+
+
 async def print_status(base_url: str, redis_url: str) -> int:
     code, ready = fetch_json(base_url.removesuffix("/v1") + "/ready")
     print(f"{base_url}: {'ready' if code == 200 else 'NOT READY'} {json.dumps(ready)}")
     client = connect(redis_url, socket_timeout=5)
     try:
+        print(f"redis: {redis_role(await client.info('replication'))}")
         loads = await read_loads(client)
         print(f"\nreplicas: {len(loads)}")
         print(f"  {'replica':<14}{'slots':>6}{'ongoing':>8}{'running':>8}{'waiting':>8}"

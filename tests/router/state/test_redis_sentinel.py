@@ -23,6 +23,7 @@ import pytest
 import redis
 
 from cluster.redis_server import find_redis_server, free_port
+from cluster.status import redis_role
 from router.config import QueueSettings
 from router.errors import NotReplicatedError
 from router.state import keys
@@ -96,6 +97,13 @@ def servers(tmp_path: Path) -> Iterator[Servers]:
             if process.poll() is None:
                 process.kill()
             process.wait()
+
+
+def test_status_names_the_redis_role_and_its_replicas(servers) -> None:
+    primary = redis_role(sync_connect(servers.url).info("replication"))
+    assert primary.startswith("primary, 1 replica(s): 127.0.0.1:") and "online" in primary
+    replica = redis_role(redis.Redis(port=servers.replica_port).info("replication"))
+    assert replica == f"replica of 127.0.0.1:{servers.primary_port} (link up)"
 
 
 def test_sentinel_urls_name_the_sentinels_the_service_and_the_db() -> None:
