@@ -332,8 +332,11 @@ class EmbeddedRedis(_Values):
 
 
 class ExternalRedis(_Values):
-    url: str = Field("", pattern=r"^(rediss?://.*)?$", description="The Redis URL without its "
-                     "password (redis:// or rediss://; a standalone Redis or a primary).")
+    url: str = Field("", pattern=r"^((rediss?|redis\+sentinel)://.*)?$",
+                     description="The Redis URL without its password: redis:// or rediss:// (a "
+                     "standalone Redis or a primary), or redis+sentinel://host:port[,host:port]"
+                     "/<service> (Sentinel: the pods follow a failover by themselves; set "
+                     "fairserve.queues.replicas_to_ack so an acknowledged request survives it).")
     existingSecret: str = Field("", description="Secret with its password; empty: none.")
     passwordKey: str = Field("password", description="Key of the password in that Secret.")
 

@@ -131,6 +131,8 @@ def test_helm_refuses_a_bad_value_naming_it(bad: dict, named: str) -> None:
     ({"redis": {"mode": "external"}}, "redis.external.url"),
     ({"redis": {"mode": "external", "external": {"url": "redis://u:hunter2@h:6379/0"}}},
      "the URL carries a password"),
+    ({"redis": {"mode": "external", "external": {
+        "url": "redis+sentinel://u:hunter2@s1:26379,s2:26379/fs"}}}, "the URL carries a password"),
     ({"model": {"source": "pvc"}}, "model.path"),
     ({"model": {"path": "models/x.gguf"}}, "must be an absolute path"),
     ({"upgrade": {"strategy": "NewClusterWithIncrementalUpgrade"}},
@@ -182,6 +184,15 @@ def test_external_redis_renders_no_redis_and_passes_its_secret() -> None:
     assert volumes["redis-password"]["secret"]["secretName"] == "managed-redis"
     assert volumes["redis-password"]["secret"]["items"] == [{"key": "password",
                                                              "path": "password"}]
+
+
+def test_an_external_redis_behind_sentinel_renders_with_its_url_and_wait() -> None:
+    url = "redis+sentinel://sentinel-0.redis:26379,sentinel-1.redis:26379/fairserve"
+    docs = render(values_of("external-redis", redis={"external": {"url": url}},
+                            fairserve={"queues": {"replicas_to_ack": 1}}))
+    settings = serve_config(docs)["applications"][0]["args"]["settings"]
+    assert settings["redis"] == {"url": url}
+    assert settings["queues"]["replicas_to_ack"] == 1
 
 
 def test_the_haproxy_ingress_sets_ray_serves_variables_on_every_ray_pod() -> None:
