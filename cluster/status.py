@@ -43,15 +43,16 @@ async def print_status(base_url: str, redis_url: str) -> int:
     try:
         print(f"redis: {redis_role(await client.info('replication'))}")
         loads = await read_loads(client)
-        print(f"\nreplicas: {len(loads)}")
+        nodes = sorted({load.node for load in loads if load.node})
+        print(f"\nreplicas: {len(loads)} on {len(nodes)} node(s)")
         print(f"  {'replica':<14}{'slots':>6}{'ongoing':>8}{'running':>8}{'waiting':>8}"
-              f"{'KV used':>9}{'tok/s':>8}  engine")
+              f"{'KV used':>9}{'tok/s':>8}  {'node':<28}engine")
         for load in sorted(loads, key=lambda x: x.replica_id):
             used = load.num_total_kv_blocks - load.num_free_kv_blocks
             print(f"  {load.replica_id:<14}{load.max_ongoing:>6}{load.ongoing:>8}"
                   f"{load.num_running:>8}{load.num_waiting:>8}"
                   f"{used:>4}/{load.num_total_kv_blocks:<4}{load.output_tokens_per_s:>8.1f}"
-                  f"  {load.compute}")
+                  f"  {load.node or '?':<28}{load.compute}")
         decision, counts = await autoscaler_state(client)
         if decision is not None:
             print(f"autoscaler: target {decision['decision_replicas']} replicas "

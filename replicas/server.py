@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -80,6 +81,7 @@ class ModelReplica:
         self.engine: Engine = (engine_factory or make_engine)(options.engine)
         await self.engine.start()
         self.replica_id = _replica_id()
+        self.node = _node()
         self.tracing = configure_tracing("fairserve-replica")
         self._num_ongoing = 0
         self._output_marks: list[tuple[float, int]] = []  # (time, output tokens), recent
@@ -187,6 +189,7 @@ class ModelReplica:
             reported_ms=int(time.time() * 1000),
             num_steps=load.num_steps,
             compute=load.compute,
+            node=self.node,
         )
 
     def record_routing_stats(self) -> dict[str, Any]:
@@ -245,6 +248,17 @@ def final_report(chunk: Chunk, position: int, replica_id: str) -> CallReport:
         None if usage is None else ChunkUsage(usage.num_prompt_tokens, usage.num_output_tokens,
                                               usage.num_cached_tokens),
         chunk.timings)  # the engine's Timings are the protocol's ChunkTimings
+
+
+def _node() -> str:
+    """Where this replica runs: the host's name (a pod's name on Kubernetes) and the first
+    characters of its Ray node's id (several Ray nodes may share a host)."""
+    import ray
+
+    host = socket.gethostname()
+    if not ray.is_initialized():
+        return host
+    return f"{host}/{ray.get_runtime_context().get_node_id()[:8]}"
 
 
 def _replica_id() -> str:

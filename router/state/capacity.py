@@ -35,6 +35,7 @@ class ReplicaLoad:
     reported_ms: int
     num_steps: int = 0  # the engine's steps so far: a hung engine stops counting
     compute: str = ""  # the engine, device and dtype ("torch cpu bfloat16")
+    node: str = ""  # where it runs: host (pod) / Ray node id
 
     @property
     def is_busy(self) -> bool:

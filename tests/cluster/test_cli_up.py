@@ -4,6 +4,7 @@ README starts with, run as a user runs them (a subprocess), against the real mod
 from __future__ import annotations
 
 import re
+import socket
 
 import openai
 import pytest
@@ -30,7 +31,9 @@ def test_up_prints_a_working_key_and_url_then_status_and_down(tmp_path) -> None:
         assert "Paris" in reply.choices[0].message.content
         status = up.cli("status", "--state-dir", str(tmp_path))
         assert status.returncode == 0, status.stdout + status.stderr
-        assert "replicas: 1" in status.stdout and "demo" in status.stdout
+        assert "replicas: 1 on 1 node(s)" in status.stdout and "demo" in status.stdout
+        assert f"{socket.gethostname()}/" in status.stdout  # where the replica runs
+        assert "redis: primary, 0 replica(s)" in status.stdout
         down = up.cli("down", "--state-dir", str(tmp_path))
         assert down.returncode == 0 and "stopped" in down.stdout, down.stdout + down.stderr
         assert up.process.wait(timeout=60) == 0
