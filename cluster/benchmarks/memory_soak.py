@@ -7,9 +7,11 @@ Starts ``fairserve``'s own launcher (``make up``'s shape: embedded Redis, one mo
 one router, the real engine) and keeps ``--streams`` streamed completions running for
 ``--minutes``, each a fresh request (half of them, by default, with an ``Idempotency-Key``).
 Every ``--sample-s`` it prints Redis's ``used_memory`` and key count, the requests finished so
-far, the router's resident memory and Redis's estimate of the keys that expired but are not
-reclaimed yet (``expired_stale_perc``); at the end, the keys by kind. An ended request's record and stream expire together
-after ``queues.resume_window_s`` (15 min); past it only an Idempotency-Key's digest stays (24 h).
+far, the records still in their window with their streams and the digests (MEMORY USAGE of each
+key), what is left of ``used_memory`` beyond them ("rest"), the router's resident memory and
+Redis's estimate of the keys that expired but are not reclaimed yet (``expired_stale_perc``); at
+the end, the keys by kind. An ended request's record and stream expire together after
+``queues.resume_window_s`` (15 min); past it only an Idempotency-Key's digest stays (24 h).
 So ``used_memory`` should rise for one resume window (the records of the requests that ended
 within it), then follow the number of requests the window holds (which moves with the engine's
 throughput on a noisy machine) plus the digests. Each sample therefore also weighs the records in

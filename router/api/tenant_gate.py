@@ -11,16 +11,16 @@ So each router counts the requests inside it per tenant and answers one over
 ``router.api.max_requests_per_tenant`` with a 429 at once: before its body is read or parsed,
 from memory, with no Redis round trip. The tenant of a request is known by its key: the router
 remembers the digest of each key that authenticated on it (``KnownKeys.learn``, from the
-handler's authentication) for ``KNOWN_KEY_TTL_S``; a key it does not know goes through to be authenticated
-(the first requests of a key are counted from then on). The gate only ever refuses, never lets
-through what the handler would refuse, so a key revoked a moment ago can at most be refused here
-a little longer.
+handler's authentication) for ``KNOWN_KEY_TTL_S``; a key it does not know goes through to be
+authenticated (the first requests of a key are counted from then on). The gate only ever
+refuses, never lets through what the handler would refuse, so a key revoked a moment ago can at
+most be refused here a little longer.
 
 It also remembers a quota refusal: when the check before admission finds a tenant's rpm, tpm or
 daily budget used up (no request of it could be admitted for ``Retry-After``), the gate answers
 the tenant's next submissions with the same 429 until then (``REFUSAL_MEMORY_S`` at most, so a
-raised limit is heard soon), without reading them. A submission
-with an ``Idempotency-Key`` goes through (a retry joins a request admitted before, and is never
+raised limit is heard soon), without reading them. A submission with an ``Idempotency-Key`` goes
+through (a retry joins a request admitted before, and is never
 refused for its quota), as do resumes and reads.
 
 And it paces a tenant's 429s, its own and the handler's (quotas, queue, open streams): each gets
