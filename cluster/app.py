@@ -1,5 +1,6 @@
-"""Builds the Ray Serve application from the settings tree: the model replica deployment and
-the router ingress deployment bound to it.
+"""Builds the Ray Serve application from the settings tree: a model replica deployment per
+served model (the default one is ``ModelReplica``, another ``ModelReplica-<its name>``) and
+the router ingress deployment bound to them all.
 
 The ``OTEL_*`` variables of the process that builds the application are handed to both
 deployments (their actors may run on other nodes of an existing Ray cluster, which do not
@@ -18,47 +19,37 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from cluster.autoscaling import AutoscaleSettings, BacklogPolicy
-from cluster.settings import REPLICA_STOP_MARGIN_S, FairserveSettings, RoutingPolicy
+from cluster.settings import (
+    REPLICA_STOP_MARGIN_S,
+    FairserveSettings,
+    RoutingPolicy,
+    ServedModelSettings,
+)
 from replicas.engine.local_path import absolute_path
 from replicas.server import EngineFactory, ModelReplica, ReplicaOptions
 from router.api.prompt_tokenizer import ModelInfo
 from router.dispatch.prefix_affinity import PrefixAffinityRouter
-from router.server import RouterServer
+from router.server import RoutedModel, RouterServer
 
 REPLICA_DEPLOYMENT = "ModelReplica"
 ROUTER_DEPLOYMENT = "Router"
 
 
-def build_app(settings: FairserveSettings, model: ModelInfo, redis_url: str,
+def build_app(settings: FairserveSettings, models: ModelInfo | list[ModelInfo], redis_url: str,
               engine_factory: EngineFactory | None = None) -> Application:
-    """The application; ``settings`` come from ``cluster.placement.place`` (CPUs decided)."""
-    r = settings.replicas
-    assert r.num_cpus is not None, "cluster.placement.place decides the replicas' CPUs first"
-    options = ReplicaOptions(
-        engine=settings.engine,
-        max_ongoing_requests=r.max_ongoing_requests,
-        redis_url=redis_url,
-        report_interval_s=r.report_interval_s,
-        drain_timeout_s=r.graceful_shutdown_timeout_s,
-    )
-    scaling: dict[str, Any] = {"num_replicas": r.num_replicas} if r.autoscaling is None else {
-        "autoscaling_config": autoscaling_config(r.autoscaling, redis_url)}
-    replica = serve.deployment(
-        ModelReplica,
-        name=REPLICA_DEPLOYMENT,
-        **scaling,
-        max_ongoing_requests=r.max_ongoing_requests,
-        ray_actor_options={"num_cpus": r.num_cpus, "num_gpus": r.num_gpus,
-                           "resources": dict(r.resources), "runtime_env": otel_runtime_env()},
-        health_check_period_s=r.health_check_period_s,
-        health_check_timeout_s=r.health_check_timeout_s,
-        # Ray Serve's own wait comes on top of the replica's drain in __del__
-        graceful_shutdown_timeout_s=r.graceful_shutdown_timeout_s + REPLICA_STOP_MARGIN_S,
-        request_router_config=request_router_config(settings),
-    ).bind(options, engine_factory)  # type: ignore[attr-defined]
+    """The application; ``settings`` come from ``cluster.placement.place`` (CPUs decided);
+    ``models``: what the router knows of each served model, in ``settings.served_models()``'s
+    order (the default first)."""
+    infos = [models] if isinstance(models, ModelInfo) else list(models)
+    served = settings.served_models()
+    assert len(infos) == len(served), "one ModelInfo per served model"
+    routed = [RoutedModel(info, _replica_deployment(settings, model, redis_url, engine_factory),
+                          model.pool, model.aliases)
+              for model, info in zip(served, infos, strict=True)]
     ro = settings.router
     api = ro.api
-    if r.autoscaling is not None and r.autoscaling.allow_scale_to_zero:
+    if any(m.replicas.autoscaling is not None and m.replicas.autoscaling.allow_scale_to_zero
+           for m in served):
         api = api.model_copy(update={"allow_scale_from_zero": True})
     router = serve.deployment(
         RouterServer,
@@ -70,35 +61,70 @@ def build_app(settings: FairserveSettings, model: ModelInfo, redis_url: str,
         graceful_shutdown_timeout_s=ro.graceful_shutdown_timeout_s,
         ray_actor_options={"num_cpus": ro.num_cpus, "resources": dict(ro.resources),
                            "runtime_env": otel_runtime_env()},
-    ).bind(replica, model, redis_url, api, settings.queues,  # type: ignore[attr-defined]
+    ).bind(routed, redis_url, api, settings.queues,  # type: ignore[attr-defined]
            ro.dispatch)
     return router
 
 
-def request_router_config(settings: FairserveSettings) -> RequestRouterConfig:
-    """How the routers' handles pick a model replica (``replicas.routing``)."""
-    routing = settings.replicas.routing
+def replica_deployment_name(pool: str) -> str:
+    """The model replicas' deployment of a model's pool ("": the default model's)."""
+    return REPLICA_DEPLOYMENT if not pool else f"{REPLICA_DEPLOYMENT}-{pool}"
+
+
+def _replica_deployment(settings: FairserveSettings, model: ServedModelSettings, redis_url: str,
+                        engine_factory: EngineFactory | None) -> Application:
+    r = model.replicas
+    assert r.num_cpus is not None, "cluster.placement.place decides the replicas' CPUs first"
+    options = ReplicaOptions(
+        engine=model.engine,
+        max_ongoing_requests=r.max_ongoing_requests,
+        redis_url=redis_url,
+        report_interval_s=r.report_interval_s,
+        drain_timeout_s=r.graceful_shutdown_timeout_s,
+    )
+    scaling: dict[str, Any] = {"num_replicas": r.num_replicas} if r.autoscaling is None else {
+        "autoscaling_config": autoscaling_config(r.autoscaling, redis_url, model.pool)}
+    return serve.deployment(  # type: ignore[no-any-return]
+        ModelReplica,
+        name=replica_deployment_name(model.pool),
+        **scaling,
+        max_ongoing_requests=r.max_ongoing_requests,
+        ray_actor_options={"num_cpus": r.num_cpus, "num_gpus": r.num_gpus,
+                           "resources": dict(r.resources), "runtime_env": otel_runtime_env()},
+        health_check_period_s=r.health_check_period_s,
+        health_check_timeout_s=r.health_check_timeout_s,
+        # Ray Serve's own wait comes on top of the replica's drain in __del__
+        graceful_shutdown_timeout_s=r.graceful_shutdown_timeout_s + REPLICA_STOP_MARGIN_S,
+        request_router_config=request_router_config(model),
+    ).bind(options, engine_factory)  # type: ignore[attr-defined]
+
+
+def request_router_config(model: ServedModelSettings) -> RequestRouterConfig:
+    """How the routers' handles pick a replica of the model (``replicas.routing``)."""
+    routing = model.replicas.routing
     config: dict[str, Any] = {
         "request_routing_stats_period_s": routing.publish_period_s,
         "request_routing_stats_timeout_s": max(5.0, 2 * routing.publish_period_s)}
     if routing.policy is RoutingPolicy.PREFIX_AFFINITY:
         config["request_router_class"] = PrefixAffinityRouter
-        config["request_router_kwargs"] = {"block_size": settings.engine.block_size,
+        config["request_router_kwargs"] = {"block_size": model.engine.block_size,
                                            "min_match_blocks": routing.min_match_blocks,
                                            "max_imbalance": routing.max_imbalance}
     return RequestRouterConfig(**config)
 
 
-def autoscaling_config(a: AutoscaleSettings, redis_url: str) -> dict[str, Any]:
-    """Ray Serve's autoscaling config running ``BacklogPolicy``; Ray's own delays are zero
-    because the policy applies ours (``cluster/autoscaling.py``)."""
+def autoscaling_config(a: AutoscaleSettings, redis_url: str, pool: str = "") -> dict[str, Any]:
+    """Ray Serve's autoscaling config running ``BacklogPolicy`` on the backlog of ``pool``
+    (a model's queues); Ray's own delays are zero because the policy applies ours
+    (``cluster/autoscaling.py``)."""
     return {
         "min_replicas": a.floor, "max_replicas": a.max_replicas,
         "initial_replicas": max(a.floor, 1) if a.floor else 0,
         "upscale_delay_s": 0.0, "downscale_delay_s": 0.0, "downscale_to_zero_delay_s": 0.0,
         "metrics_interval_s": a.metrics_interval_s, "look_back_period_s": 2 * a.metrics_interval_s,
         "policy": {"policy_function": f"{BacklogPolicy.__module__}:{BacklogPolicy.__name__}",
-                   "policy_kwargs": {"redis_url": redis_url, "settings": a.model_dump()}},
+                   "policy_kwargs": {"redis_url": redis_url, "settings": a.model_dump(),
+                                     "pool": pool}},
     }
 
 

@@ -107,7 +107,8 @@ def decide(inputs: ScalingInputs, settings: AutoscaleSettings,
     else:
         desired = max(1, math.ceil(work / (per_replica * settings.target_drain_s)))
     desired = min(settings.max_replicas, max(settings.floor, desired))
-    drain_s = work / (per_replica * max(inputs.target, 1))
+    # at the replicas serving now: one lost with its node is capacity missing, not the target's
+    drain_s = work / (per_replica * max(inputs.num_running, 1))
 
     target, reason = inputs.target, "steady"
     if desired > target:
@@ -137,16 +138,18 @@ def decide(inputs: ScalingInputs, settings: AutoscaleSettings,
 
 class BacklogPolicy:
     """Ray Serve custom autoscaling policy (``policy_function`` a class, ``policy_kwargs``:
-    ``redis_url`` and ``settings`` as a dict). Called by the Serve controller every control
-    loop with the deployment's ``AutoscalingContext``."""
+    ``redis_url``, ``settings`` as a dict, and ``pool``: the queues of the model the deployment
+    serves, "" the default model's). Called by the Serve controller every control loop with
+    the deployment's ``AutoscalingContext``. Each model scales on its own backlog alone."""
 
-    def __init__(self, redis_url: str, settings: dict[str, Any]) -> None:
+    def __init__(self, redis_url: str, settings: dict[str, Any], pool: str = "") -> None:
         self.redis_url = redis_url
+        self.pool = pool
         self.settings = AutoscaleSettings(**settings)
         self._client: Any = None
         self._backlog: tuple[int, int] = (0, 0)
         self._read_at = 0.0
-        self._last: tuple[int, str] | None = None
+        self._last: tuple[int, str, int] | None = None
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         now = time.time()
@@ -155,8 +158,9 @@ class BacklogPolicy:
         inputs = ScalingInputs(now, ctx.current_num_replicas, ctx.target_num_replicas,
                                queued_tokens, queued_requests, in_flight, measured)
         decision, state = decide(inputs, self.settings, dict(ctx.policy_state or {}))
-        if self._last != (decision.replicas, decision.reason):
-            self._last = (decision.replicas, decision.reason)
+        # published on each change, and when a replica is lost or comes back
+        if self._last != (decision.replicas, decision.reason, inputs.num_running):
+            self._last = (decision.replicas, decision.reason, inputs.num_running)
             logger.info("autoscale %s: %d -> %d replicas (%s); queued %d tokens in %d requests, "
                         "in flight %.0f tokens, %.1f tokens/s per replica, drain target %.0f s",
                         ctx.deployment_name, inputs.target, decision.replicas, decision.reason,
@@ -182,8 +186,9 @@ class BacklogPolicy:
 
         self._read_at = now
         try:
-            rows = self._redis().eval(script_source(Script.BACKLOG), 0, "")
-            self._backlog = (sum(int(r[3]) for r in rows), sum(int(r[2]) for r in rows))
+            rows = [r for r in self._redis().eval(script_source(Script.BACKLOG), 0, "")
+                    if r[1].decode() == self.pool]  # backlog.lua: tenant, pool, priority, ...
+            self._backlog = (sum(int(r[4]) for r in rows), sum(int(r[3]) for r in rows))
         except (RedisError, OSError) as exc:  # keep the last reading; scaling must not stop
             logger.warning("autoscaler cannot read the backlog: %s", exc)
         return self._backlog
@@ -196,8 +201,8 @@ class BacklogPolicy:
         record = {**asdict(inputs), **{f"decision_{k}": v for k, v in asdict(decision).items()}}
         try:
             pipe = self._redis().pipeline(transaction=False)
-            pipe.set(keys.autoscaler(), json.dumps(record), ex=DECISION_TTL_S)
-            pipe.hincrby(keys.autoscaler_decisions(), _direction(inputs.target,
+            pipe.set(keys.autoscaler(self.pool), json.dumps(record), ex=DECISION_TTL_S)
+            pipe.hincrby(keys.autoscaler_decisions(self.pool), _direction(inputs.target,
                                                                  decision.replicas))
             pipe.execute()
         except (RedisError, OSError) as exc:

@@ -27,7 +27,7 @@ from cluster.app import REPLICA_DEPLOYMENT, ROUTER_DEPLOYMENT, build_app
 from cluster.ingress import ingress_env, ingress_files
 from cluster.placement import RayResources, max_model_replicas, place
 from cluster.redis_server import EmbeddedRedis
-from cluster.settings import FairserveSettings
+from cluster.settings import FairserveSettings, ServedModelSettings
 from replicas.model_info import describe_model
 from replicas.server import EngineFactory
 from router.api.prompt_tokenizer import ModelInfo
@@ -62,6 +62,14 @@ def metrics_url(settings: FairserveSettings) -> str:
     return f"http://{host}:{api.metrics_port}/metrics"
 
 
+def _replicas_line(model: ServedModelSettings) -> str:
+    scaling = model.replicas.autoscaling
+    count = (f"{model.replicas.num_replicas} replica(s)" if scaling is None else
+             f"{max(scaling.floor, 1) if scaling.floor else 0} replica(s) (autoscaling "
+             f"{scaling.floor}-{scaling.max_replicas})")
+    return count + (f" of {model.name}" if model.pool else "")
+
+
 class LocalCluster:
     def __init__(self, settings: FairserveSettings, engine_factory: EngineFactory | None = None,
                  progress: Callable[[str], None] | None = None) -> None:
@@ -70,7 +78,8 @@ class LocalCluster:
         self.progress = progress or (lambda line: logger.info("%s", line))
         self.redis: EmbeddedRedis | None = None
         self.info: ClusterInfo | None = None
-        self.model_info: ModelInfo | None = None  # what the routers know of the model
+        self.model_info: ModelInfo | None = None  # what the routers know of the default model
+        self.model_infos: list[ModelInfo] = []  # ... of each served model, the default first
         self._started_ray = False
         self._started_serve = False
         self._ingress_files: Path | None = None
@@ -85,17 +94,18 @@ class LocalCluster:
                       f"{s.router.num_cpus:g} CPU of {ray.cluster_resources().get('CPU', 0):g}")
         redis_url = self._start_redis()
         demo_key = asyncio.run(self._prepare_tenants(redis_url))
-        self.progress(f"reading the model {s.engine.model} ...")
-        self.model_info = model = describe_model(s.engine)
-        serve.start(http_options={"host": s.router.host, "port": s.router.port})
+        served = s.served_models()
+        self.progress(f"reading the model{'s' if len(served) > 1 else ''} "
+                      f"{', '.join(str(m.engine.model) for m in served)} ...")
+        self.model_infos = infos = [describe_model(m.engine) for m in served]
+        self.model_info = infos[0]
+        serve.start(proxy_location=s.router.proxy_location.value,
+                    http_options={"host": s.router.host, "port": s.router.port})
         self._started_serve = True
-        scaling = s.replicas.autoscaling
-        replicas = (f"{s.replicas.num_replicas} replica(s)" if scaling is None else
-                    f"{max(scaling.floor, 1) if scaling.floor else 0} replica(s) (autoscaling "
-                    f"{scaling.floor}-{scaling.max_replicas})")
-        self.progress(f"deploying {replicas} and {s.router.num_replicas} router(s); "
-                      "loading the model ...")
-        app = build_app(s, model, redis_url, self.engine_factory)
+        self.progress(f"deploying {' and '.join(_replicas_line(m) for m in served)} and "
+                      f"{s.router.num_replicas} router(s); loading the "
+                      f"model{'s' if len(served) > 1 else ''} ...")
+        app = build_app(s, infos, redis_url, self.engine_factory)
         watcher = _StatusWatcher(s.app_name, self.progress)
         watcher.start()
         try:
@@ -104,7 +114,8 @@ class LocalCluster:
             watcher.stop()
         host = "127.0.0.1" if s.router.host in ("0.0.0.0", "::") else s.router.host
         base = f"http://{host}:{s.router.port}"
-        if s.replicas.num_replicas > 0 or scaling is not None:
+        if any(m.replicas.num_replicas > 0 or m.replicas.autoscaling is not None
+               for m in served):
             _wait_ready(base, READY_TIMEOUT_S)  # at zero replicas ready means scale-from-zero
         self.progress(f"ready in {time.perf_counter() - started:.1f} s")
         self.info = ClusterInfo(f"{base}/v1", redis_url, demo_key,
@@ -247,7 +258,9 @@ class _StatusWatcher:
             if app is None:
                 continue
             parts = []
-            for name in (REPLICA_DEPLOYMENT, ROUTER_DEPLOYMENT):
+            # the model deployments (ModelReplica, ModelReplica-<name>...), then the router
+            names = sorted(n for n in app.deployments if n.startswith(REPLICA_DEPLOYMENT))
+            for name in (*names, ROUTER_DEPLOYMENT):
                 deployment = app.deployments.get(name)
                 if deployment is not None:
                     states = {str(k.value if hasattr(k, "value") else k).lower(): v

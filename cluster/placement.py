@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cluster.errors import PlacementError
-from cluster.settings import FairserveSettings
+from cluster.settings import FairserveSettings, ReplicaSettings
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +64,13 @@ class RayResources:
 
 
 def max_model_replicas(settings: FairserveSettings) -> int:
-    """The most model replicas the application may hold at once."""
-    scaling = settings.replicas.autoscaling
-    return settings.replicas.num_replicas if scaling is None else scaling.max_replicas
+    """The most model replicas the application may hold at once (all its models')."""
+    return sum(_max_replicas(m.replicas) for m in settings.served_models())
+
+
+def _max_replicas(replicas: ReplicaSettings) -> int:
+    scaling = replicas.autoscaling
+    return replicas.num_replicas if scaling is None else scaling.max_replicas
 
 
 def place(settings: FairserveSettings, resources: RayResources) -> FairserveSettings:
@@ -92,46 +96,58 @@ def place(settings: FairserveSettings, resources: RayResources) -> FairserveSett
 
 
 def _with_replica_cpus(settings: FairserveSettings, resources: RayResources) -> FairserveSettings:
-    if settings.replicas.num_cpus is not None:
+    """Each model whose replicas' CPUs are unset gets an equal share of what the routers
+    and the models with CPUs set leave."""
+    served = settings.served_models()
+    unset = [m for m in served if m.replicas.num_cpus is None]
+    if not unset:
         return settings
-    left = resources.num_cpus - settings.router.num_replicas * settings.router.num_cpus
-    share = left / max(max_model_replicas(settings), 1)
+    left = (resources.num_cpus - settings.router.num_replicas * settings.router.num_cpus
+            - sum(_max_replicas(m.replicas) * (m.replicas.num_cpus or 0) for m in served))
+    share = left / max(sum(_max_replicas(m.replicas) for m in unset), 1)
     # two decimals, rounded down: the shares must still add up to no more than what is left
     cpus = max(MIN_AUTO_REPLICA_CPUS, min(MAX_AUTO_REPLICA_CPUS, math.floor(share * 100) / 100))
-    replicas = settings.replicas.model_copy(update={"num_cpus": cpus})
-    return settings.model_copy(update={"replicas": replicas})
+    return settings.with_served([m if m.replicas.num_cpus is not None else replace(
+        m, replicas=m.replicas.model_copy(update={"num_cpus": cpus})) for m in served])
 
 
 def _with_engine_threads(settings: FairserveSettings, resources: RayResources) -> FairserveSettings:
-    if settings.engine.num_threads is not None or not resources.is_local:
+    served = settings.served_models()
+    if not resources.is_local or all(m.engine.num_threads is not None for m in served):
         return settings
     left = resources.num_cpus - settings.router.num_replicas * settings.router.num_cpus
     threads = max(1, round(left / max(max_model_replicas(settings), 1)))
-    engine = settings.engine.model_copy(update={"num_threads": threads})
-    return settings.model_copy(update={"engine": engine})
+    return settings.with_served([m if m.engine.num_threads is not None else replace(
+        m, engine=m.engine.model_copy(update={"num_threads": threads})) for m in served])
 
 
 def _shortfalls(settings: FairserveSettings, resources: RayResources) -> list[str]:
-    r, ro = settings.replicas, settings.router
-    assert r.num_cpus is not None, "replica CPUs are decided before the check"
-    num_replicas = max_model_replicas(settings)
-    counted = (f"{num_replicas} model replica(s)" +
-               (" (autoscaling.max_replicas)" if r.autoscaling is not None else ""))
+    ro, served = settings.router, settings.served_models()
+    counted, cpus, gpus = [], 0.0, 0.0
+    for m in served:
+        r = m.replicas
+        assert r.num_cpus is not None, "replica CPUs are decided before the check"
+        n = _max_replicas(r)
+        counted.append(f"{n} {'model' if len(served) == 1 else repr(m.name)} replica(s)"
+                       + (" (autoscaling.max_replicas)" if r.autoscaling is not None else "")
+                       + f" x {r.num_cpus:g} CPU")
+        cpus, gpus = cpus + n * r.num_cpus, gpus + n * r.num_gpus
     problems: list[str] = []
-    cpus_asked = num_replicas * r.num_cpus + ro.num_replicas * ro.num_cpus
+    cpus_asked = cpus + ro.num_replicas * ro.num_cpus
     if cpus_asked > resources.num_cpus + EPSILON:
         problems.append(
-            f"{counted} x {r.num_cpus:g} CPU + {ro.num_replicas} router(s) x {ro.num_cpus:g} "
+            f"{' + '.join(counted)} + {ro.num_replicas} router(s) x {ro.num_cpus:g} "
             f"CPU = {cpus_asked:g} CPU asked, {resources.num_cpus:g} CPU available")
-    for what, asked in (("model replica", r.num_cpus), ("router", ro.num_cpus)):
+    largest_replica = max(m.replicas.num_cpus or 0.0 for m in served)
+    for what, asked in (("model replica", largest_replica), ("router", ro.num_cpus)):
         if asked > resources.largest_node_cpus + EPSILON:
             problems.append(f"one {what} asks {asked:g} CPU, the largest node has "
                             f"{resources.largest_node_cpus:g}")
-    gpus_asked = num_replicas * r.num_gpus
-    if gpus_asked > resources.num_gpus + EPSILON:
-        problems.append(f"{counted} x {r.num_gpus:g} GPU = {gpus_asked:g} GPU asked, "
+    largest_gpus = max(m.replicas.num_gpus for m in served)
+    if gpus > resources.num_gpus + EPSILON:
+        problems.append(f"{max_model_replicas(settings)} model replica(s): {gpus:g} GPU asked, "
                         f"{resources.num_gpus:g} GPU available")
-    elif r.num_gpus > resources.largest_node_gpus + EPSILON:
-        problems.append(f"one model replica asks {r.num_gpus:g} GPU, the largest node has "
+    elif largest_gpus > resources.largest_node_gpus + EPSILON:
+        problems.append(f"one model replica asks {largest_gpus:g} GPU, the largest node has "
                         f"{resources.largest_node_gpus:g}")
     return problems

@@ -55,15 +55,18 @@ def build(args: dict[str, Any]) -> Application:
     if not written_url or not redis_url:
         raise ValueError("redis.url: a deployed cluster needs its Redis (set redis.url in the "
                          "settings, or FAIRSERVE_REDIS__URL in the pods' environment)")
-    if settings.replicas.num_cpus is None:
-        raise ValueError("replicas.num_cpus: a deployed cluster's replicas need their CPUs "
-                         "set (only `fairserve up` fits them to the machine)")
+    served = settings.served_models()
+    for i, model in enumerate(served):
+        if model.replicas.num_cpus is None:
+            at = f"models[{i - 1}]." if model.pool else ""
+            raise ValueError(f"{at}replicas.num_cpus: a deployed cluster's replicas need their "
+                             "CPUs set (only `fairserve up` fits them to the machine)")
     asyncio.run(_prepare_redis(settings, redis_url))
-    model = describe_model(settings.engine)
-    logger.info("building %s: %d router(s), model %s", settings.app_name,
-                settings.router.num_replicas, settings.engine.model)
+    infos = [describe_model(m.engine) for m in served]
+    logger.info("building %s: %d router(s), model(s) %s", settings.app_name,
+                settings.router.num_replicas, ", ".join(str(m.engine.model) for m in served))
     # the deployments get the URL as written; each adds the password from its own environment
-    return build_app(settings, model, written_url)
+    return build_app(settings, infos, written_url)
 
 
 async def _prepare_redis(settings: FairserveSettings, redis_url: str) -> None:

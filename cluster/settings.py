@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextvars
 import enum
+import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -38,6 +40,13 @@ _YAML_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("yaml",
 
 class _Branch(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ProxyLocation(enum.StrEnum):
+    """Where Ray Serve runs its HTTP proxies (its ``ProxyLocation``)."""
+
+    EVERY_NODE = "EveryNode"
+    HEAD_ONLY = "HeadOnly"
 
 
 class Ingress(enum.StrEnum):
@@ -118,6 +127,10 @@ class RouterSettings(_Branch):
         "hop per chunk (make bench-serving-path measures both). Set on the Ray "
         "processes' environment: `fairserve up` sets it in the Ray it starts, the Helm chart on "
         "every Ray pod; a Ray cluster `fairserve up` joins needs those variables itself")
+    proxy_location: ProxyLocation = Field(
+        ProxyLocation.EVERY_NODE, description="where Ray Serve runs its HTTP proxies: "
+        "`EveryNode` (Ray's default: each node with a replica), or `HeadOnly` (one ingress, "
+        "on the head; what several Ray nodes on one machine need, as they share its ports)")
     graceful_shutdown_timeout_s: float = Field(
         90.0, ge=0, description="how long a stopping router keeps relaying its clients' "
         "streams before it exits (a redeploy replaces the routers and the model replicas at "
@@ -174,6 +187,60 @@ class TenantsSettings(_Branch):
     )
 
 
+LEASE_RENEWALS = 3  # a lease outlives this many renewal periods: one late renewal keeps it
+MAX_MODELS = 32  # base models one cluster serves (each its own deployment and queues)
+MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # a base model's name or alias (keys.POOL_PATTERN)
+
+
+class ModelSettings(_Branch):
+    """Another base model served beside the default one (which the top-level `engine` and
+    `replicas` describe): its own engine, its own replicas (a deployment of its own, scaled on
+    its own backlog) and its own queues in Redis, so that a flood on one model neither delays
+    nor scales another. Clients choose it by `engine.served_model_name` or an alias."""
+
+    engine: EngineConfig = Field(description="its engine; `served_model_name` is the name "
+                                 "requests give (and the name of its queues and deployment)")
+    replicas: ReplicaSettings = Field(default_factory=ReplicaSettings,
+                                      description="its replicas, as the top-level `replicas`")
+    aliases: list[Annotated[str, StringConstraints(pattern=MODEL_NAME)]] = Field(
+        default_factory=list, max_length=16, description="other names requests may give it")
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModelSettings:
+    """One base model of the cluster as the deployments see it: ``pool`` names its queues
+    (and its deployment's suffix): "" for the default model."""
+
+    pool: str
+    engine: EngineConfig
+    replicas: ReplicaSettings
+    aliases: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return self.engine.served_model_name
+
+
+def _check_model_names(served: list[ServedModelSettings]) -> None:
+    """Every name a request may give (models, aliases, the adapters the settings name) means
+    one thing, and each model's name can name its queues and its deployment."""
+    seen: dict[str, str] = {}
+    for i, model in enumerate(served):
+        where = "engine" if not model.pool else f"models[{i - 1}].engine"
+        if not re.match(MODEL_NAME, model.name):
+            raise ValueError(f"{where}.served_model_name {model.name!r}: 1-64 of letters, "
+                             "digits and ._- (it names the model's queues and deployment)")
+        names = [(model.name, f"{where}.served_model_name"),
+                 *((a, f"{where.removesuffix('engine')}aliases" if model.pool else "aliases")
+                   for a in model.aliases),
+                 *((a, f"{where}.lora_adapters") for a in model.engine.lora_adapters)]
+        for name, field in names:
+            if name in seen:
+                raise ValueError(f"{field}: the name {name!r} is already taken by "
+                                 f"{seen[name]}: a request's `model` must name one thing")
+            seen[name] = field
+
+
 class FairserveSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FAIRSERVE_", env_nested_delimiter="__",
                                       extra="forbid", frozen=True)
@@ -188,15 +255,39 @@ class FairserveSettings(BaseSettings):
     state_dir: LocalPath = Field(DEFAULT_STATE_DIR, validate_default=True,
                                  description="embedded Redis data, run state")
     app_name: str = Field("fairserve", min_length=1, description="Ray Serve application name")
+    aliases: list[Annotated[str, StringConstraints(pattern=MODEL_NAME)]] = Field(
+        default_factory=list, max_length=16,
+        description="other names requests may give the default model (`engine`)")
+    models: list[ModelSettings] = Field(
+        default_factory=list, max_length=MAX_MODELS - 1,
+        description="more base models beside the default one, each with its own engine, "
+        "replicas and aliases (deploy/examples/models.yaml); the request's `model` picks one")
+
+    def served_models(self) -> list[ServedModelSettings]:
+        """The default model (pool "") and then each of ``models`` (pool: its name)."""
+        return [ServedModelSettings("", self.engine, self.replicas, tuple(self.aliases)),
+                *(ServedModelSettings(m.engine.served_model_name, m.engine, m.replicas,
+                                      tuple(m.aliases)) for m in self.models)]
+
+    def with_served(self, served: list[ServedModelSettings]) -> FairserveSettings:
+        """These settings with each model's engine and replicas replaced (placement)."""
+        default, *others = served
+        models = [m.model_copy(update={"engine": s.engine, "replicas": s.replicas})
+                  for m, s in zip(self.models, others, strict=True)]
+        return self.model_copy(update={"engine": default.engine, "replicas": default.replicas,
+                                       "models": models})
 
     @model_validator(mode="after")
     def _check(self) -> FairserveSettings:
-        slots = self.replicas.max_ongoing_requests
-        if slots > self.engine.max_num_seqs:
-            raise ValueError(
-                f"replicas.max_ongoing_requests ({slots}) exceeds engine.max_num_seqs "
-                f"({self.engine.max_num_seqs}): requests would wait inside the engine, out of "
-                "sight of the fair queues")
+        for i, served in enumerate(self.served_models()):
+            at = "" if not served.pool else f"models[{i - 1}]."
+            slots = served.replicas.max_ongoing_requests
+            if slots > served.engine.max_num_seqs:
+                raise ValueError(
+                    f"{at}replicas.max_ongoing_requests ({slots}) exceeds {at}engine.max_num_seqs"
+                    f" ({served.engine.max_num_seqs}): requests would wait inside the engine, "
+                    "out of sight of the fair queues")
+        _check_model_names(self.served_models())
         replica_stop_s = self.replicas.graceful_shutdown_timeout_s + REPLICA_STOP_MARGIN_S
         if self.router.graceful_shutdown_timeout_s <= replica_stop_s:
             raise ValueError(
@@ -204,10 +295,18 @@ class FairserveSettings(BaseSettings):
                 f"is not above replicas.graceful_shutdown_timeout_s + {REPLICA_STOP_MARGIN_S:g} "
                 f"({replica_stop_s:g}): a redeploy would stop the routers while their clients' "
                 "streams still wait for the old replicas, and cut them")
-        if self.router.api.max_n > self.engine.max_num_seqs:
+        renew_s, lease_s = self.router.dispatch.renew_s, self.queues.lease_ms / 1000
+        if renew_s * LEASE_RENEWALS > lease_s:
+            raise ValueError(
+                f"router.dispatch.renew_s ({renew_s:g}) is more than a {LEASE_RENEWALS}th of "
+                f"queues.lease_ms ({self.queues.lease_ms}): a lease would lapse between two "
+                "renewals of a busy router, and its requests be taken from it mid-stream; "
+                f"set renew_s to at most {lease_s / LEASE_RENEWALS:g}")
+        fewest = min(m.engine.max_num_seqs for m in self.served_models())
+        if self.router.api.max_n > fewest:
             raise ValueError(
                 f"router.api.max_n ({self.router.api.max_n}) exceeds engine.max_num_seqs "
-                f"({self.engine.max_num_seqs}): the choices of one request could never run "
+                f"({fewest}, of a model): the choices of one request could never run "
                 "together")
         return self
 

@@ -1,4 +1,5 @@
-"""The ``fairserve tenants`` subcommands: tenants and their API keys, in the Redis the routers share.
+"""The ``fairserve tenants`` subcommands: tenants and their API keys, in the Redis the routers share;
+and ``fairserve adapters`` (``add``, ``list``, ``remove``): LoRA adapters added at run time.
 
 ``add``, ``list``, ``set``, ``key-create``, ``key-revoke`` and ``load`` (a YAML file, see
 ``router.state.tenants``) and ``key-new`` (a key made and printed here, stored nowhere). Every
@@ -18,7 +19,7 @@ import json
 import os
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -27,6 +28,7 @@ import redis
 import yaml
 
 from router.errors import InvalidRequestError, RouterError
+from router.state.adapters import Adapter, AdapterRegistry
 from router.state.api_keys import ApiKeys, digest, new_key
 from router.state.redis_client import connect, with_env_password
 from router.state.scripts import Scripts
@@ -41,7 +43,7 @@ UNLIMITED = "-"
 
 # Tenant fields the options set, in the order the table shows them.
 SETTINGS = ("weight", "priority", "rpm", "tpm", "daily_tokens", "max_tokens", "max_queued",
-            "max_streams", "max_resumes", "cache_group", "disabled")
+            "max_streams", "max_resumes", "cache_group", "models", "disabled")
 TABLE_COLUMNS = ("id", *SETTINGS, "keys")
 
 
@@ -51,6 +53,7 @@ class Admin:
 
     tenants: TenantStore
     api_keys: ApiKeys
+    adapters: AdapterRegistry
 
 
 Command = Callable[[Admin, argparse.Namespace], Awaitable[int]]
@@ -98,6 +101,8 @@ def add_tenants_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
                       help="also disable the tenants an earlier load of the file listed and it "
                       "no longer does (a deploy does; by hand, only with the whole file)")
 
+    _add_adapters_parser(sub, common)
+
     new = commands.add_parser(
         "key-new", help="make a key here, store nothing; print its tenants-file entry",
         description="make a key here and print it, and its tenants-file entry (the digest "
@@ -105,6 +110,29 @@ def add_tenants_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     new.add_argument("tenant_id", metavar="ID")
     new.add_argument("--label", default="", help="a note stored with the key")
     new.set_defaults(func=key_new)
+
+
+def _add_adapters_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+                         common: argparse.ArgumentParser) -> None:
+    """``fairserve adapters ...``: LoRA adapters added at run time (router/state/adapters.py)."""
+    adapters = sub.add_parser("adapters", help="add, list and remove LoRA adapters")
+    commands = adapters.add_subparsers(dest="adapters_command", required=True)
+    add = _command(commands, common, "add", "add (or repoint) a LoRA adapter: a PEFT directory "
+                   "every model replica can read, requested by its name as `model`", _adapter_add)
+    add.add_argument("name", metavar="NAME")
+    add.add_argument("path", metavar="PATH")
+    add.add_argument("--tenant", default=None,
+                     help="the only tenant that may use it (default: every tenant)")
+    add.add_argument("--base", default=None, metavar="MODEL",
+                     help="the base model it adapts, by its served name (default: the default "
+                     "model); its replicas load it")
+    listing = _command(commands, common, "list", "list the adapters added at run time",
+                       _adapter_list)
+    listing.add_argument("--json", action="store_true", help="print a JSON list")
+    remove = _command(commands, common, "remove", "remove an adapter: refused from the next "
+                      "request (replicas keep it loaded until it falls out of their LRU)",
+                      _adapter_remove)
+    remove.add_argument("name", metavar="NAME")
 
 
 def _default_redis_url() -> str:
@@ -154,6 +182,9 @@ def _add_settings_options(parser: argparse.ArgumentParser, is_change: bool) -> N
                         help="cap on requests the tenant's clients wait on at once")
     parser.add_argument("--max-resumes", type=int, default=unset, metavar="N",
                         help="cap on resumed reads (GET .../{id}) open at once")
+    parser.add_argument("--models", type=_models, default=unset, metavar="M1,M2",
+                        help="the models (base, adapters) the tenant may use ('none': every "
+                        "model, the default)")
     parser.add_argument("--cache-group", type=_group, default=unset, metavar="NAME",
                         help="share the prefix cache with the tenants of this group ('none': "
                         "the tenant's own, the default)")
@@ -175,6 +206,10 @@ def _limit(text: str) -> int | None:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
+
+
+def _models(text: str) -> list[str] | None:
+    return None if text.lower() == "none" else [m.strip() for m in text.split(",") if m.strip()]
 
 
 def _group(text: str) -> str | None:
@@ -210,7 +245,10 @@ async def _with_admin(args: argparse.Namespace) -> int:
     try:
         scripts = Scripts(client)
         handler: Command = args.handler
-        return await handler(Admin(TenantStore(scripts), ApiKeys(scripts)), args)
+        # the CLI knows no settings: a name the settings give an adapter wins over one added
+        # here, and an adapter of a base model the cluster does not serve is never resolved
+        adapters = AdapterRegistry(client, {})
+        return await handler(Admin(TenantStore(scripts), ApiKeys(scripts), adapters), args)
     finally:
         await client.aclose()
 
@@ -294,6 +332,50 @@ async def _load(admin: Admin, args: argparse.Namespace) -> int:
     return 0
 
 
+async def _adapter_add(admin: Admin, args: argparse.Namespace) -> int:
+    # NOTE: imported here: replicas.engine's package loads torch, which the CLI's other
+    # commands never need (lora_files itself does not)
+    from replicas.engine.lora_files import AdapterError, check_adapter_dir
+
+    path = Path(args.path).expanduser().absolute()
+    if path.is_dir():  # checked here: a bad adapter is refused now, not at its first request
+        try:
+            files = check_adapter_dir(path, args.name)
+        except AdapterError as exc:
+            raise InvalidRequestError(str(exc), param="path") from None
+        print(f"checked: rank {files.rank} on {', '.join(sorted(files.modules))} of "
+              f"{files.num_layers} layers")
+    else:
+        print(f"warning: {path} is not a directory here, so it is not checked; every model "
+              "replica must be able to read it", file=sys.stderr)
+    if args.tenant is not None:
+        await admin.tenants.get(args.tenant)  # an unknown tenant is named as such
+    await admin.adapters.add(Adapter(args.name, str(path), args.tenant, base=args.base))
+    print(f"adapter {args.name} -> {path}"
+          + (f" on {args.base}" if args.base else " on the default model")
+          + (f", for tenant {args.tenant} only" if args.tenant else ", for every tenant"))
+    return 0
+
+
+async def _adapter_list(admin: Admin, args: argparse.Namespace) -> int:
+    adapters = await admin.adapters.visible(None)
+    if args.json:
+        print(json.dumps([asdict(a) for a in adapters], indent=2))
+    elif not adapters:
+        print("no adapters added")
+    else:
+        print(_table([[a.name, a.base or "(default)", a.owner or "*", a.path or ""]
+                      for a in adapters], ("name", "base", "tenant", "path")))
+    return 0
+
+
+async def _adapter_remove(admin: Admin, args: argparse.Namespace) -> int:
+    if not await admin.adapters.remove(args.name):
+        raise InvalidRequestError(f"no adapter {args.name!r} was added", param="name")
+    print(f"removed adapter {args.name}")
+    return 0
+
+
 def key_new(args: argparse.Namespace) -> int:
     """A new key made here, stored nowhere: the key on stdout, its tenants-file entry (the
     digest) on stderr, for a Kubernetes Secret that bootstraps the tenants."""
@@ -326,6 +408,8 @@ def _cell(tenant: Tenant, name: str) -> str:
         return "yes" if value else "no"
     if isinstance(value, float):
         return f"{value:g}"
+    if isinstance(value, list):
+        return ",".join(value)
     return str(value)
 
 
@@ -333,8 +417,7 @@ def _describe(tenant: Tenant, names: tuple[str, ...]) -> str:
     return " ".join(f"{name}={_cell(tenant, name)}" for name in names)
 
 
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in [list(TABLE_COLUMNS), *rows])
-              for i in range(len(TABLE_COLUMNS))]
+def _table(rows: list[list[str]], columns: tuple[str, ...] = TABLE_COLUMNS) -> str:
+    widths = [max(len(row[i]) for row in [list(columns), *rows]) for i in range(len(columns))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
-                     .rstrip() for row in [list(TABLE_COLUMNS), *rows])
+                     .rstrip() for row in [list(columns), *rows])

@@ -100,14 +100,16 @@ def render(now: Frame, then: Frame) -> Group:
         title += (f"   autoscaler target {now.autoscaler.get('decision_replicas')} "
                   f"({now.autoscaler.get('decision_reason')})")
     replicas = Table(title=title, title_justify="left", expand=True)
-    for column in ("replica", "slots", "ongoing", "running", "waiting", "KV used", "out tok/s"):
-        replicas.add_column(column, justify="left" if column == "replica" else "right")
+    for column in ("replica", "slots", "ongoing", "running", "waiting", "KV used", "out tok/s",
+                   "adapters"):
+        replicas.add_column(column, justify="left" if column in ("replica", "adapters")
+                            else "right")
     for r in sorted(now.replicas, key=lambda x: x.replica_id):
         used = r.num_total_kv_blocks - r.num_free_kv_blocks
         share = used / r.num_total_kv_blocks if r.num_total_kv_blocks else 0.0
         replicas.add_row(r.replica_id, str(r.max_ongoing), str(r.ongoing), str(r.num_running),
                          str(r.num_waiting), f"{used}/{r.num_total_kv_blocks} ({share:.0%})",
-                         f"{r.output_tokens_per_s:.1f}")
+                         f"{r.output_tokens_per_s:.1f}", ", ".join(r.adapters) or "-")
     return Group(tenants, replicas)
 
 

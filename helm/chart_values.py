@@ -46,12 +46,12 @@ class _Values(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def _subset(name: str, model: type[BaseModel], drop: set[str], required: set[str] = frozenset(),
+def _subset(name: str, of: type[BaseModel], drop: set[str], required: set[str] = frozenset(),
             described: dict[str, str] | None = None, **changed: Any) -> Any:
-    """``model``'s fields minus ``drop``, some with chart defaults (same bounds); the fields
+    """``of``'s fields minus ``drop``, some with chart defaults (same bounds); the fields
     in ``required`` may not be null (their "decide at run time" means nothing in a chart)."""
     fields: dict[str, Any] = {}
-    for field_name, info in model.model_fields.items():
+    for field_name, info in of.model_fields.items():
         if field_name in drop:
             continue
         if field_name in changed:
@@ -76,6 +76,23 @@ ReplicaValues = _subset(
     num_cpus=1.0, autoscaling=AutoscaleSettings())
 RouterValues = _subset("RouterValues", RouterSettings, {"resources", "host", "port"},
                        num_replicas=2, num_cpus=0.5)
+ModelEngineValues = _subset(
+    "ModelEngineValues", EngineConfig, {"model_cache_dir", "device"}, set(),
+    {"model": "the model (a GGUF file or a Hugging Face directory): an absolute path in the "
+              "pods, under model.pvc.mountPath for a PVC; empty: the image's default model",
+     "served_model_name": "its name (requests give it as `model`; it also names its queues "
+                          "and its Serve deployment): set it, to another than the default "
+                          "model's"},
+    model="")
+
+
+class ModelValues(_Values):
+    engine: ModelEngineValues = Field(description="Its engine.")  # type: ignore[valid-type]
+    replicas: ReplicaValues = Field(  # type: ignore[valid-type]
+        default_factory=ReplicaValues, description="Its replicas, as fairserve.replicas (in "
+        "the model worker groups); what it leaves out is the default model's.")
+    aliases: list[str] = Field(default_factory=list, max_length=16,
+                               description="Other names requests may give it.")
 
 
 class FairserveValues(_Values):
@@ -83,6 +100,13 @@ class FairserveValues(_Values):
     replicas: ReplicaValues = Field(default_factory=ReplicaValues)  # type: ignore[valid-type]
     router: RouterValues = Field(default_factory=RouterValues)  # type: ignore[valid-type]
     queues: QueueSettings = Field(default_factory=QueueSettings)
+    aliases: list[str] = Field(default_factory=list, max_length=16,
+                               description="Other names requests may give the default model.")
+    models: list[ModelValues] = Field(
+        default_factory=list, description="More base models beside the default one (engine, "
+        "replicas): each its own Serve deployment, queues and autoscaling; the request's "
+        "`model` picks one (deploy/examples/models.yaml). The chart sets each one's device "
+        "from its replicas.num_gpus and places its replicas in the model worker groups.")
 
 
 class Global(_Values):

@@ -33,6 +33,8 @@ JSON_OPTIONS: JsonCompileOptions = {
     "key_separator": ": ",
 }
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
+# a forced tool call (router/api/tools.py): the block around the JSON array of calls
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
 class GrammarError(ValueError):
@@ -41,20 +43,39 @@ class GrammarError(ValueError):
 
 def grammar_for(kind: str, schema: str = "") -> str:
     """The llguidance grammar of a ``json_object`` (any object) or a ``json_schema`` format
-    (``schema``: the JSON Schema as JSON text)."""
+    (``schema``: the JSON Schema as JSON text), or of ``tool_calls``: ``<tool_call>``, a JSON
+    array under ``schema`` (the calls: router/api/tools.py), ``</tool_call>``."""
+    if kind == "tool_calls":
+        return _tool_calls_grammar(schema)
     if kind == "json_object":
         document: Any = ANY_JSON_OBJECT
     elif kind == "json_schema":
-        try:
-            document = json.loads(schema)
-        except ValueError as exc:
-            raise GrammarError(f"the schema is not valid JSON: {exc}") from None
-        if not isinstance(document, dict):
-            raise GrammarError("the schema must be a JSON object")
+        document = _schema_object(schema, "the schema")
     else:
         raise GrammarError(f"unknown structured output kind {kind!r}")
     try:
         return str(llguidance.LLMatcher.grammar_from_json_schema(document, overrides=JSON_OPTIONS))
+    except ValueError as exc:
+        raise GrammarError(str(exc)) from None
+
+
+def _schema_object(schema: str, what: str) -> dict[str, Any]:
+    try:
+        document = json.loads(schema)
+    except ValueError as exc:
+        raise GrammarError(f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise GrammarError(f"{what} must be a JSON object")
+    return document
+
+
+def _tool_calls_grammar(schema: str) -> str:
+    document = _schema_object(schema, "the tools' schema")
+    document["x-guidance"] = dict(JSON_OPTIONS)
+    lark = (f"start: {json.dumps(TOOL_CALL_OPEN)} calls {json.dumps(TOOL_CALL_CLOSE)}\n"
+            f"calls: %json {json.dumps(document)}\n")
+    try:
+        return str(llguidance.LLMatcher.grammar_from_lark(lark))
     except ValueError as exc:
         raise GrammarError(str(exc)) from None
 

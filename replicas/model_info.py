@@ -31,6 +31,7 @@ def describe_model(config: EngineConfig) -> ModelInfo:
         kv_capacity_tokens=capacity_tokens,
         tokenizer_files=files,
         created_s=int(time.time()),
+        adapters=tuple(sorted(config.lora_adapters)),
     )
 
 

@@ -53,6 +53,14 @@ def cache_root(salt: str | None) -> int | None:
     return hash((ROOT_HASH, int.from_bytes(digest, "big")))
 
 
+def adapter_salt(salt: str | None, adapter: str | None) -> str | None:
+    """The prefix-cache partition of a request: its salt, and its LoRA adapter (an adapter's
+    KV differs from the base model's); the engine and the replica choice key blocks alike."""
+    if adapter is None:
+        return salt
+    return f"{salt or ''}\x00lora:{adapter}"
+
+
 def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     """The chained hash of one full block: the same in every process (a tuple of ints hashes
     without Python's per-process string salt), so a router and a replica agree."""
@@ -62,6 +70,7 @@ def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> in
 # the keys of a replica's routing stats (replicas/server.py, ModelReplica.record_routing_stats)
 PUBLISHED_BLOCKS = "cached_block_hashes"
 PUBLISHED_VERSION = "cached_version"
+PUBLISHED_ADAPTERS = "loaded_adapters"  # the LoRA adapters a replica holds loaded
 
 
 # ---- the replica call (pickled by Ray, once a request) and its reports (``encode``d) ----
@@ -91,6 +100,7 @@ class GuideKind(enum.StrEnum):
 
     JSON_OBJECT = "json_object"  # any JSON object
     JSON_SCHEMA = "json_schema"  # JSON valid under ``StructuredOutput.schema``
+    TOOL_CALLS = "tool_calls"  # a forced tool call: <tool_call>[calls under the schema]</tool_call>
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +183,16 @@ class ReplicaCall:
     cache_salt: str | None = None  # the prefix-cache partition (``cache_root``)
     resume: tuple[CallResume, ...] = ()
     trace: dict[str, str] | None = None
+    adapter: CallAdapter | None = None  # a LoRA adapter of the model; None: the base model
+
+
+@dataclass(frozen=True, slots=True)
+class CallAdapter:
+    """The LoRA adapter a call generates with: its name, and its PEFT directory when it was
+    added at run time (``fairserve adapters add``; None: one the replica's settings name)."""
+
+    name: str
+    path: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +225,7 @@ class Halt:
     CANCELLED = "cancelled"  # the request's cancel flag was up (its client went away)
     LEASE_LOST = "lease_lost"  # the stream refused its writes: another holder or writer
     REDIS_UNAVAILABLE = "redis_unavailable"  # no write went through for the outage allowance
+    STREAM_GAP = "stream_gap"  # the stream lost chunks this call's follow (a Redis failover)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -38,6 +37,7 @@ from replicas.engine.interface import (
 from replicas.engine.sampling_params import SamplingParams
 from replicas.load_report import LoadReporter
 from replicas.protocol import (
+    PUBLISHED_ADAPTERS,
     PUBLISHED_BLOCKS,
     PUBLISHED_VERSION,
     CallReport,
@@ -49,7 +49,8 @@ from replicas.protocol import (
 )
 from replicas.stream_writer import LogprobWire, StreamWriter
 from replicas.tracing import record_engine_spans
-from router.errors import LeaseLostError
+from router.errors import LeaseLostError, StreamGapError
+from router.state import nodes
 from router.state.capacity import ReplicaLoad
 from router.telemetry.tracing import configure_tracing
 
@@ -81,7 +82,7 @@ class ModelReplica:
         self.engine: Engine = (engine_factory or make_engine)(options.engine)
         await self.engine.start()
         self.replica_id = _replica_id()
-        self.node = _node()
+        self.node = nodes.this_node()
         self.tracing = configure_tracing("fairserve-replica")
         self._num_ongoing = 0
         self._output_marks: list[tuple[float, int]] = []  # (time, output tokens), recent
@@ -106,6 +107,8 @@ class ModelReplica:
                                       r.is_finished) for r in call.resume),
             scheduling=_scheduling(call.scheduling),
             cache_salt=call.cache_salt,
+            adapter=call.adapter.name if call.adapter is not None else None,
+            adapter_path=call.adapter.path if call.adapter is not None else None,
         )
         # who has the request, at once: the dispatcher watches this replica's heartbeat
         yield CallReport(self.replica_id).encode()
@@ -161,6 +164,9 @@ class ModelReplica:
         except LeaseLostError as exc:
             logger.warning("%s: stopped: %s", call.request_id, exc.message)
             return Halt.LEASE_LOST
+        except StreamGapError as exc:
+            logger.warning("%s: stopped: %s", call.request_id, exc.message)
+            return Halt.STREAM_GAP
         except (RedisError, OSError) as exc:
             logger.error("%s: stopped, Redis unreachable: %s", call.request_id, exc)
             return Halt.REDIS_UNAVAILABLE
@@ -190,13 +196,16 @@ class ModelReplica:
             num_steps=load.num_steps,
             compute=load.compute,
             node=self.node,
+            adapters=load.adapters,
+            model=self.options.engine.served_model_name,
         )
 
     def record_routing_stats(self) -> dict[str, Any]:
         """For Ray Serve's request routers (``router/dispatch/prefix_affinity.py``): the hashes
         of the blocks this replica's prefix cache holds, and their version."""
         cached = self.engine.cached_prefix()
-        return {PUBLISHED_VERSION: cached.version, PUBLISHED_BLOCKS: list(cached.block_hashes)}
+        return {PUBLISHED_VERSION: cached.version, PUBLISHED_BLOCKS: list(cached.block_hashes),
+                PUBLISHED_ADAPTERS: list(self.engine.load().adapters)}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """For the autoscaling policy (``cluster/autoscaling.py``): the tokens this replica
@@ -248,17 +257,6 @@ def final_report(chunk: Chunk, position: int, replica_id: str) -> CallReport:
         None if usage is None else ChunkUsage(usage.num_prompt_tokens, usage.num_output_tokens,
                                               usage.num_cached_tokens),
         chunk.timings)  # the engine's Timings are the protocol's ChunkTimings
-
-
-def _node() -> str:
-    """Where this replica runs: the host's name (a pod's name on Kubernetes) and the first
-    characters of its Ray node's id (several Ray nodes may share a host)."""
-    import ray
-
-    host = socket.gethostname()
-    if not ray.is_initialized():
-        return host
-    return f"{host}/{ray.get_runtime_context().get_node_id()[:8]}"
 
 
 def _replica_id() -> str:

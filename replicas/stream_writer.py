@@ -48,10 +48,13 @@ class StreamWriter:
                     position: int, logprobs: list[LogprobWire] | None, index: int,
                     finish_reason: str | None) -> LeaseStatus:
         """Append one chunk event; raises ``LeaseLostError`` when the call may no longer
-        write, a ``RedisError`` once Redis has been away for ``REDIS_OUTAGE_S``."""
+        write, ``StreamGapError`` when the stream lost the chunks before it (a Redis
+        failover), a ``RedisError`` once Redis has been away for ``REDIS_OUTAGE_S``."""
         data = response_events.chunk_data(text, list(token_ids), position, logprobs, index,
                                           finish_reason)
-        event = Event(response_events.CHUNK, data, index, position)
+        # a chunk with tokens follows the choice's tokens in the stream, or is refused (a gap)
+        start = position - len(token_ids) if position else None
+        event = Event(response_events.CHUNK, data, index, position, start)
         lease = Lease(stream.tenant_id, stream.request_id, stream.holder, stream.attempt)
         deadline = time.monotonic() + REDIS_OUTAGE_S
         while True:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.state import keys
+from router.state.responses import ResponsesSettings
 
 
 class QueueSettings(BaseModel):
@@ -78,3 +79,6 @@ class ApiSettings(BaseModel):
         description="most choices (OpenAI's n) one request may ask for; each is a sequence in "
         "the engine, so it must not exceed engine.max_num_seqs",
     )
+    responses: ResponsesSettings = Field(
+        default_factory=ResponsesSettings, description="stored responses of POST /v1/responses "
+        "(router/state/responses.py): how long, how many per tenant, how large")

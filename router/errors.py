@@ -10,8 +10,15 @@ MIN_TOKENS_OVER_MAX_TOKENS = "min_tokens_over_max_tokens"
 MAX_TOKENS_OVER_TENANT_CAP = "max_tokens_over_tenant_cap"
 UNSUPPORTED_SCHEMA = "unsupported_schema"
 PAST_THE_STREAM = "event_id_past_the_stream"  # a resume position after the stream's last event
+# a name that must refer to something else in the request (a tool_choice to a tool, a tool
+# message to a call made before it, a tool name used once) or in the tenant's state
+TOOL_REFERENCE = "tool_reference_not_found"
+PREVIOUS_RESPONSE_NOT_FOUND = "previous_response_not_found"
+CONVERSATION_TOO_LARGE = "conversation_too_large"
 UNSTATED_RULES = frozenset({CONTEXT_LENGTH_EXCEEDED, MIN_TOKENS_OVER_MAX_TOKENS,
-                            MAX_TOKENS_OVER_TENANT_CAP, UNSUPPORTED_SCHEMA, PAST_THE_STREAM})
+                            MAX_TOKENS_OVER_TENANT_CAP, UNSUPPORTED_SCHEMA, PAST_THE_STREAM,
+                            TOOL_REFERENCE, PREVIOUS_RESPONSE_NOT_FOUND,
+                            CONVERSATION_TOO_LARGE})
 
 
 class RouterError(Exception):
@@ -119,6 +126,16 @@ class LeaseLostError(RouterError):
     status = 409
     type = "server_error"
     code = "lease_lost"
+
+
+class StreamGapError(RouterError):
+    """A replica's chunk does not follow what its response stream holds: a Redis failover lost
+    the last appends (replication is asynchronous). The dispatcher reads the stream back and
+    has the rest made again (a migration); the client never sees this."""
+
+    status = 503
+    type = "server_error"
+    code = "stream_gap"
 
 
 class StreamIdleError(RouterError):

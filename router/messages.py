@@ -43,6 +43,11 @@ class AdmitRequest:
     # the id comes from an Idempotency-Key: its body's digest outlives the record
     # (keys.IDEMPOTENCY_TTL_S), so a retry after the resume window is told so, never run again
     is_idempotent: bool = False
+    # the model the request names (the base or an adapter): refused unless the tenant's
+    # allow-list (Tenant.models) has it; "" checks nothing
+    model: str = ""
+    # the pool (a base model's queues, keys.queue) it waits in; "": the default model's
+    pool: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,3 +176,4 @@ class TenantBacklog:
     num_queued: int
     queued_tokens: int  # fair-share cost of the queued requests: prompt + expected output
     num_leased: int
+    pool: str | None = ""  # the model's queues ("": the default model's); None: all pools

@@ -29,12 +29,13 @@ from router.api.prompt_tokenizer import ModelInfo, PromptTokenizer
 from router.api.sampling import check_sampling, sampling_wire, stream_max_tokens
 from router.api.shaper import Shape
 from router.api.tenant_gate import KnownKeys
+from router.api.tools import check_references, template_messages
 from router.config import ApiSettings, QueueSettings
 from router.dispatch import response_events
 from router.dispatch.dispatcher import Dispatcher, DispatchSettings
 from router.dispatch.relay import ReplicaPool
 from router.dispatch.stream_mux import StreamMux
-from router.dispatch.streams import START
+from router.dispatch.streams import START, ReadPoint
 from router.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     MIN_TOKENS_OVER_MAX_TOKENS,
@@ -45,11 +46,21 @@ from router.errors import (
     RateLimitError,
     RouterError,
 )
-from router.messages import AdmitRequest, CancelOutcome, Reader, ReaderKind, RequestState
-from router.state import keys
+from router.messages import (
+    AdmitRequest,
+    CancelOutcome,
+    Reader,
+    ReaderKind,
+    RequestState,
+    StreamEvent,
+)
+from router.state import keys, nodes
+from router.state.adapters import Adapter, AdapterRegistry
 from router.state.api_keys import ApiKeys, Principal
+from router.state.capacity import CapacityView
 from router.state.queues import TenantQueues
 from router.state.readers import ReaderLeases, lease_end_ms
+from router.state.responses import ResponseStore
 from router.state.scripts import Scripts
 from router.telemetry.metrics import (
     SNAPSHOT_S,
@@ -101,37 +112,108 @@ class RouterOptions:
     tracing: Tracing = OFF
 
 
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """A base model this router serves: what it knows of it, its replicas, and its pool (its
+    queues in Redis, ``router/state/keys.py``; "": the default model's)."""
+
+    info: ModelInfo
+    replicas: ReplicaPool
+    pool: str = ""
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class _Model:
+    """A served model at run time: its tokenizer and its dispatcher."""
+
+    served: ServedModel
+    tokenizer: PromptTokenizer
+    dispatcher: Dispatcher
+
+    @property
+    def name(self) -> str:
+        return self.served.info.served_model_name
+
+    @property
+    def pool(self) -> str:
+        return self.served.pool
+
+    @property
+    def context_tokens(self) -> int:
+        """Longest prompt + output a request may have."""
+        info = self.served.info
+        return min(info.max_model_len, info.kv_capacity_tokens)
+
+
 class RouterService:
-    def __init__(self, client: aioredis.Redis, model: ModelInfo, replicas: ReplicaPool,
+    def __init__(self, client: aioredis.Redis, models: ServedModel | list[ServedModel],
                  holder: str, options: RouterOptions | None = None) -> None:
         options = options or RouterOptions()
+        served = [models] if isinstance(models, ServedModel) else list(models)
         self.client = client
-        self.model = model
         self.api = options.api
         self.tracing = options.tracing
-        self.tokenizer = PromptTokenizer(model)
         scripts = Scripts(client, resume_window_s=options.queues.resume_window_s)
         self.known_keys = KnownKeys()  # the tenant gate's: keys that authenticated here
         self.api_keys = ApiKeys(scripts, self.known_keys)
         self.queues = TenantQueues(scripts, options.queues)
         self.mux = StreamMux(client)
         self.readers = ReaderLeases(self.queues, int(self.api.detach_grace_s * 1000))
+        self.responses = ResponseStore(client, self.api.responses)  # POST /v1/responses
         self.metrics = MetricsStore()
-        self.dispatcher = Dispatcher(
-            self.queues, replicas, holder, options.dispatch, options.tracing,
-            on_migration=lambda tenant, reason: self.metrics.inc("fairserve_migrations",
-                                                                 (tenant, reason)))
+        self.capacity = CapacityView(client, options.dispatch.capacity_refresh_s)  # all models
+        tokenizers: dict[bytes, PromptTokenizer] = {}  # models of one tokenizer share it
+        self.models: list[_Model] = []
+        for i, model in enumerate(served):
+            digest = hashlib.sha256(json.dumps(sorted(
+                (k, v.hex()) for k, v in model.info.tokenizer_files.items())).encode()).digest()
+            if digest not in tokenizers:
+                tokenizers[digest] = PromptTokenizer(model.info)
+            dispatcher = Dispatcher(
+                self.queues, model.replicas, holder, options.dispatch, options.tracing,
+                on_migration=lambda tenant, reason: self.metrics.inc("fairserve_migrations",
+                                                                     (tenant, reason)),
+                pool=model.pool, model=model.info.served_model_name, reaps=i == 0)
+            self.models.append(_Model(model, tokenizers[digest], dispatcher))
+        self._by_name = {name: m for m in self.models
+                         for name in (m.name, *m.served.aliases)}
+        self.default = self.models[0]
+        self.model = self.default.served.info  # the default model's (the OpenAPI document)
+        self.tokenizer = self.default.tokenizer
+        self.adapters = AdapterRegistry(
+            client, {m.name: m.served.info.adapters for m in self.models},
+            frozenset(a for m in self.models for a in m.served.aliases))
         self.holder = holder
         self._tasks: list[asyncio.Task[None]] = []
         self.metrics_server = (MetricsServer(self.metrics_exposition, self.api.metrics_host,
                                              self.api.metrics_port)
                                if self.api.metrics_port is not None else None)
 
+    @property
+    def dispatchers(self) -> list[Dispatcher]:
+        return [m.dispatcher for m in self.models]
+
+    def model_named(self, name: str) -> _Model:
+        """A base model by its served name ("": the default one)."""
+        return self._by_name.get(name, self.default)
+
+    async def resolve_model(self, tenant_id: str, name: str) -> tuple[_Model, Adapter | None]:
+        """The base model a request's ``model`` names (its name or an alias) or whose adapter
+        it names; 404 ``model_not_found`` for neither, or another tenant's adapter."""
+        model = self._by_name.get(name)
+        if model is not None:
+            return model, None
+        adapter = await self.adapters.resolve(tenant_id, name)
+        assert adapter is not None and adapter.base is not None, "a base is in _by_name"
+        return self._by_name[adapter.base], adapter
+
     async def start(self) -> None:
         self.mux.start()
         if self.metrics_server is not None:
             await self.metrics_server.start()
-        self._tasks = [asyncio.create_task(self.dispatcher.run(), name="dispatcher"),
+        self._tasks = [*(asyncio.create_task(d.run(), name=f"dispatcher {d.pool}")
+                         for d in self.dispatchers),
                        asyncio.create_task(self._listen_for_wakes(), name="wake listener"),
                        asyncio.create_task(self._publish_metrics(), name="metrics"),
                        asyncio.create_task(self.readers.run(), name="reader leases")]
@@ -142,7 +224,8 @@ class RouterService:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.dispatcher.shutdown()
+        for dispatcher in self.dispatchers:
+            await dispatcher.shutdown()
         await self.mux.stop()
         await self.client.aclose()
 
@@ -155,8 +238,8 @@ class RouterService:
 
     @property
     def context_tokens(self) -> int:
-        """Longest prompt + output a request may have."""
-        return min(self.model.max_model_len, self.model.kv_capacity_tokens)
+        """Longest prompt + output a request of the default model may have."""
+        return self.default.context_tokens
 
     async def authenticate(self, authorization: str | None, for_admission: bool = False
                            ) -> Principal:
@@ -185,17 +268,22 @@ class RouterService:
 
     async def submit(self, principal: Principal, request: ChatCompletionRequest | CompletionRequest,
                      idempotency_key: str | None) -> Submission:
-        if request.model != self.model.served_model_name:
-            raise NotFoundError(f"the model {request.model!r} does not exist; this cluster serves "
-                                f"{self.model.served_model_name!r}", param="model")
-        await check_sampling(request, self.tokenizer.vocab_size, self.api.max_n)
-        prompt_ids, prompt_param = await self._prompt_ids(request)
+        model, adapter = await self.resolve_model(principal.tenant_id, request.model)
+        if isinstance(request, ChatCompletionRequest):
+            check_references(request)
+        await check_sampling(request, model.tokenizer.vocab_size, self.api.max_n)
+        prompt_ids, prompt_param = await self._prompt_ids(request, model)
         max_tokens = await self._max_tokens(principal.tenant_id, request, len(prompt_ids),
-                                            prompt_param)
-        body = json.dumps({"prompt_token_ids": prompt_ids,
-                           "sampling": sampling_wire(request, max_tokens)})
+                                            prompt_param, model.context_tokens)
+        wire: dict[str, Any] = {"prompt_token_ids": prompt_ids,
+                                "sampling": sampling_wire(request, max_tokens)}
+        if adapter is not None:  # the replicas load it by name (and path, if added at run time)
+            wire["adapter"] = [adapter.name, adapter.path]
+        body = json.dumps(wire)
         request_id = _request_id(principal.tenant_id, request, idempotency_key)
-        shape = Shape.of(request, request_id, self.model.served_model_name, len(prompt_ids))
+        shape = Shape.of(request, request_id, request.model, len(prompt_ids), model.name)
+        # the name the tenant's allow-list is checked against: the model's own, not an alias
+        canonical = adapter.name if adapter is not None else model.name
         trace_fields = carrier() if self.tracing.is_on else {}
         meta = encode_meta({**trace_fields, "shape": shape.to_wire()}, now_ns())
         reader = self.readers.new(principal.tenant_id, request_id, ReaderKind.STREAM)
@@ -203,7 +291,7 @@ class RouterService:
             admission = await self.queues.admit(AdmitRequest(
                 principal.tenant_id, request_id, len(prompt_ids), max_tokens, body, meta,
                 num_choices=request.n, reader=reader, reader_lease_end_ms=lease_end_ms(),
-                is_idempotent=idempotency_key is not None))
+                is_idempotent=idempotency_key is not None, model=canonical, pool=model.pool))
         except NotReplicatedError:  # admitted on the primary: its client goes away for now
             self.readers.admitted(reader)  # (a retry with the key joins it within the grace)
             await self.detach(reader)
@@ -212,42 +300,46 @@ class RouterService:
             await self.readers.attach(reader)
         else:
             self.readers.admitted(reader)
-            self.dispatcher.wake()
+            self.metrics.inc("fairserve_model_requests",
+                             (self.metrics.model_label(canonical),))
+            model.dispatcher.wake()
             await self.client.publish(keys.wake_channel(), b"1")
         return Submission(principal.tenant_id, request_id, len(prompt_ids), max_tokens,
                           admission.is_duplicate, admission.queue_depth, shape, reader)
 
-    async def _prompt_ids(self, request: ChatCompletionRequest | CompletionRequest
-                          ) -> tuple[list[int], str]:
+    async def _prompt_ids(self, request: ChatCompletionRequest | CompletionRequest,
+                          model: _Model) -> tuple[list[int], str]:
         """The prompt's token ids and the field it came in. Text far longer than the context
         could hold is refused before it is tokenized; a long one is tokenized on a worker
         thread (the tokenizer releases the GIL), so one large prompt does not stall every
         other request on this router's event loop."""
         if isinstance(request, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-            self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+            messages = template_messages(request)  # with its tools, if any (api/tools.py)
+            self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages",
+                                     model.context_tokens)
             return await self._off_loop(sum(len(m["content"]) for m in messages),
-                                        self.tokenizer.encode_chat, messages), "messages"
+                                        model.tokenizer.encode_chat, messages), "messages"
         prompt = request.prompt
         if isinstance(prompt, str) or all(isinstance(p, str) for p in prompt):
             text = prompt if isinstance(prompt, str) else str(prompt[0])
-            self._check_prompt_chars(len(text), "prompt")
-            ids = await self._off_loop(len(text), self.tokenizer.encode, text)
+            self._check_prompt_chars(len(text), "prompt", model.context_tokens)
+            ids = await self._off_loop(len(text), model.tokenizer.encode, text)
         else:
             ids = [int(t) for t in prompt]
-            vocab = self.tokenizer.vocab_size
+            vocab = model.tokenizer.vocab_size
             if any(not 0 <= t < vocab for t in ids):
                 raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
         if not ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
         return ids, "prompt"
 
-    def _check_prompt_chars(self, num_chars: int, param: str) -> None:
-        limit = self.context_tokens * MAX_PROMPT_CHARS_PER_TOKEN
+    @staticmethod
+    def _check_prompt_chars(num_chars: int, param: str, context: int) -> None:
+        limit = context * MAX_PROMPT_CHARS_PER_TOKEN
         if num_chars > limit:
             raise InvalidRequestError(
                 f"the prompt has {num_chars} characters: more than this model's context of "
-                f"{self.context_tokens} tokens can hold (at most {limit} characters are "
+                f"{context} tokens can hold (at most {limit} characters are "
                 f"tokenized)", param=param, code=CONTEXT_LENGTH_EXCEEDED)
 
     @staticmethod
@@ -258,8 +350,7 @@ class RouterService:
         return await asyncio.to_thread(tokenize, text)
 
     async def _max_tokens(self, tenant_id: str, request: ChatCompletionRequest | CompletionRequest,
-                          num_prompt: int, prompt_param: str) -> int:
-        context = self.context_tokens
+                          num_prompt: int, prompt_param: str, context: int) -> int:
         if num_prompt >= context:
             raise InvalidRequestError(
                 f"this model's maximum context length is {context} tokens; the prompt has "
@@ -284,21 +375,74 @@ class RouterService:
                 param="min_tokens", code=MIN_TOKENS_OVER_MAX_TOKENS)
         return requested
 
-    async def events(self, tenant_id: str, request_id: str, after: str = START
+    async def events(self, tenant_id: str, request_id: str, point: ReadPoint | None = None
                      ) -> AsyncIterator[tuple[str, response_events.ChunkData |
                                               response_events.EndData]]:
-        """(event id, event) of the request's response stream after ``after``, then live."""
-        async for event in self.mux.read(tenant_id, request_id, after,
-                                         idle_timeout_s=self.api.stream_idle_timeout_s):
-            yield event.event_id, response_events.parse(event)
+        """(event id, event) of the request's response stream from ``point``, then live: each
+        token once (``ReadPoint``), each id the one its client may resume from."""
+        async for batch in self.event_batches(tenant_id, request_id, point):
+            for item in batch:
+                yield item
 
-    async def event_batches(self, tenant_id: str, request_id: str, after: str = START
+    async def event_batches(self, tenant_id: str, request_id: str, point: ReadPoint | None = None
                             ) -> AsyncIterator[list[tuple[str, response_events.ChunkData |
                                                           response_events.EndData]]]:
         """As ``events``, each time all that has arrived (``StreamMux.read_batches``)."""
-        async for batch in self.mux.read_batches(tenant_id, request_id, after,
+        point = point or ReadPoint()
+        async for batch in self.mux.read_batches(tenant_id, request_id, point.after,
                                                  idle_timeout_s=self.api.stream_idle_timeout_s):
-            yield [(event.event_id, response_events.parse(event)) for event in batch]
+            taken = []
+            for event in batch:
+                item = response_events.parse(event)
+                if isinstance(item, response_events.ChunkData) and not point.take(item):
+                    continue  # the client has it (made again after a Redis failover)
+                taken.append((point.event_id(event.event_id), item))
+            yield taken
+
+    async def model_cards(self, tenant_id: str) -> list[dict[str, Any]]:
+        """``/v1/models`` for a tenant: the base models (and their aliases) and the LoRA
+        adapters it may use, each with its context length; an alias's ``root`` is its model."""
+        allowed = await self.allowed_models(tenant_id)
+        cards = []
+        for model in self.models:
+            info, base = model.served.info, model.name
+            if allowed is not None and base not in allowed:
+                continue  # nor its aliases: the allow-list names models, not their aliases
+            cards += [{"id": name, "object": "model", "created": info.created_s,
+                       "owned_by": "fairserve", "root": base, "parent": None,
+                       "max_model_len": model.context_tokens}
+                      for name in (base, *model.served.aliases)]
+        for adapter in await self.adapters.visible(tenant_id):
+            of = self._by_name.get(adapter.base or self.default.name)
+            if of is None or of.name != (adapter.base or self.default.name):
+                continue  # of a base model this cluster does not serve
+            if allowed is None or adapter.name in allowed:
+                cards.append({"id": adapter.name, "object": "model",
+                              "created": adapter.created_s or of.served.info.created_s,
+                              "owned_by": adapter.owner or "fairserve", "root": of.name,
+                              "parent": of.name, "max_model_len": of.context_tokens})
+        return cards
+
+    async def chunks_before(self, tenant_id: str, request_id: str, point: ReadPoint
+                            ) -> list[response_events.ChunkData]:
+        """The token chunks a client resuming from ``point`` has had (each token once): what
+        a parser of the answer (tool calls) reads again to stand where the client does."""
+        if point.after == START:
+            return []
+        entries: Any = await self.client.xrange(keys.stream(tenant_id, request_id), "-",
+                                                point.after)
+        seen, chunks = ReadPoint(), []
+        for raw_id, fields in entries:
+            item = response_events.parse(StreamEvent(raw_id.decode(), fields[b"type"].decode(),
+                                                     fields[b"data"].decode()))
+            if isinstance(item, response_events.ChunkData) and seen.take(item):
+                chunks.append(item)
+        return chunks
+
+    async def allowed_models(self, tenant_id: str) -> set[str] | None:
+        """The tenant's allow-list of models (``Tenant.models``); None: every model."""
+        raw = cast(bytes | None, await self.client.hget(keys.tenant(tenant_id), "models"))
+        return None if raw is None else {m for m in raw.decode().split(",") if m}
 
     async def shape_of(self, tenant_id: str, request_id: str) -> Shape:
         """What the responses of a request of this tenant look like; 404 for another's."""
@@ -310,18 +454,30 @@ class RouterService:
         return Shape.from_wire(fields["shape"])
 
     async def position(self, tenant_id: str, request_id: str, event_id: str,
-                       param: str) -> str:
-        """A client's "last event seen", checked: an id of this stream's form, not past its
-        last event (a future id would skip what comes)."""
+                       param: str) -> ReadPoint:
+        """Where a client's "last event seen" resumes, checked: an id of this stream's form,
+        not past its last event (a future id would skip what comes). An id with positions
+        whose event the stream no longer has (a Redis failover lost it) resumes from the
+        start, skipping what the client has."""
         if not EVENT_ID.match(event_id):
             raise InvalidRequestError(f"{param}: {event_id!r} is not an event id "
-                                      "(<milliseconds>-<sequence>)", param=param)
-        last: Any = await self.client.xrevrange(keys.stream(tenant_id, request_id), count=1)
+                                      "(<milliseconds>-<sequence>[;<position>,...])",
+                                      param=param)
+        point = ReadPoint.parse(event_id)
+        if max(_id_order(point.after)) >= 2 ** 64:  # past any id Redis can give (64 bits)
+            raise InvalidRequestError(f"{param}: {event_id!r} is past the stream's last event",
+                                      param=param, code=PAST_THE_STREAM)
+        stream_key = keys.stream(tenant_id, request_id)
+        if point.has_positions:
+            if not await self.client.xrange(stream_key, point.after, point.after, count=1):
+                point.after = START
+            return point
+        last: Any = await self.client.xrevrange(stream_key, count=1)
         newest = last[0][0].decode() if last else START
-        if _id_order(event_id) > _id_order(newest):
+        if _id_order(point.after) > _id_order(newest):
             raise InvalidRequestError(f"{param}: {event_id!r} is past the stream's last event "
                                       f"{newest!r}", param=param, code=PAST_THE_STREAM)
-        return event_id
+        return point
 
     async def attach(self, tenant_id: str, request_id: str, kind: ReaderKind) -> Reader:
         """A client reads the request (429 beyond its tenant's limit of this kind)."""
@@ -345,7 +501,8 @@ class RouterService:
             logger.warning("cancelling %s failed: %s", request_id, exc)
             return
         if outcome is CancelOutcome.FLAGGED:
-            self.dispatcher.abort_local(request_id)
+            for dispatcher in self.dispatchers:
+                dispatcher.abort_local(request_id)
 
     async def request_state(self, tenant_id: str, request_id: str) -> RequestState:
         return (await self.queues.get(tenant_id, request_id)).state
@@ -357,7 +514,7 @@ class RouterService:
             await self.client.ping()
         except RedisError as exc:
             return {"ready": False, "redis": f"unreachable: {exc}", "replicas": None}
-        loads = await self.dispatcher.capacity.loads()
+        loads = await self.capacity.loads()
         ready = bool(loads) or self.api.allow_scale_from_zero
         return {"ready": ready, "redis": "ok", "replicas": len(loads),
                 "slots": sum(load.max_ongoing for load in loads)}
@@ -376,10 +533,11 @@ class RouterService:
             await self.client.srem(keys.metrics_routers(), *gone)
         merged = self.metrics.merged([raw for raw in snapshots if raw is not None])
         memory = cast(dict[str, Any], await self.client.info("memory"))
-        state = ClusterState(await self.queues.backlog(), await self.dispatcher.capacity.loads(),
+        state = ClusterState(await self.queues.backlog(), await self.capacity.loads(),
                              *await autoscaler_state(self.client),
                              redis_memory=(int(memory["used_memory"]),
-                                           int(memory.get("maxmemory", 0))))
+                                           int(memory.get("maxmemory", 0))),
+                             nodes=await nodes.read(self.client))
         return exposition(merged, state)
 
     async def _publish_metrics(self) -> None:
@@ -399,7 +557,8 @@ class RouterService:
                 await pubsub.subscribe(keys.wake_channel())
                 while True:  # short reads: the client's socket timeout must not fire
                     if await pubsub.get_message(timeout=WAKE_READ_S) is not None:
-                        self.dispatcher.wake()
+                        for dispatcher in self.dispatchers:
+                            dispatcher.wake()
             except (RedisError, OSError) as exc:
                 logger.warning("wake channel lost: %s; polling until it is back", exc)
                 await asyncio.sleep(1.0)

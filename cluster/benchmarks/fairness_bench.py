@@ -159,15 +159,7 @@ async def _phases(args: argparse.Namespace, client: Client, quiet: str, noisy: s
                                                            phases=result.flood_phases))
         window.append(time.perf_counter())
     finally:
-        stopping.set()
-        done, _ = await asyncio.wait(floods, timeout=120)
-        for task in floods:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-        for task in done:
-            if task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+        await stop_floods(floods, stopping)
     start, end = window
     noisy_tokens = sum(n for at, n in marks if start <= at <= end)
     result.noisy_tokens_per_s = noisy_tokens / (end - start)
@@ -175,17 +167,42 @@ async def _phases(args: argparse.Namespace, client: Client, quiet: str, noisy: s
           f" noisy {result.noisy_tokens_per_s:.1f} tok/s", flush=True)
 
 
+async def stop_floods(floods: list[asyncio.Task[None]], stopping: asyncio.Event,
+                      timeout_s: float = 300) -> None:
+    """Stops the flood's streams (each ends its request first, up to ``timeout_s``); a
+    stream that failed fails the run."""
+    stopping.set()
+    done, _ = await asyncio.wait(floods, timeout=timeout_s)
+    for task in floods:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+    for task in done:
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
+
+
+def ttft_header(high: int) -> str:
+    """The columns of a TTFT comparison: p50 and p``high`` solo and under a flood, ratios."""
+    return (f"{'solo p50 ms':>11} | {f'solo p{high} ms':>11} | {'flood p50 ms':>12} | "
+            f"{f'flood p{high} ms':>12} | {'p50 x solo':>10} | {f'p{high} x solo':>10}")
+
+
+def ttft_cells(solo_s: list[float], flood_s: list[float], high: int) -> str:
+    """One row of ``ttft_header``'s columns."""
+    s50, sh = percentile(solo_s, 50) * 1e3, percentile(solo_s, high) * 1e3
+    f50, fh = percentile(flood_s, 50) * 1e3, percentile(flood_s, high) * 1e3
+    return (f"{s50:>11.1f} | {sh:>11.1f} | {f50:>12.1f} | {fh:>12.1f} | "
+            f"{f50 / s50:>9.2f}x | {fh / sh:>9.2f}x")
+
+
 def print_table(results: list[PolicyResult]) -> None:
-    header = (f"{'policy':<8} | {'solo p50 ms':>11} | {'solo p99 ms':>11} | "
-              f"{'flood p50 ms':>12} | {'flood p99 ms':>12} | {'p50 x solo':>10} | "
-              f"{'p99 x solo':>10} | {'noisy tok/s':>11}")
+    header = f"{'policy':<8} | {ttft_header(99)} | {'noisy tok/s':>11}"
     print(header)
     print("-" * len(header))
     for r in results:
-        s50, s99 = percentile(r.solo_ttft_s, 50) * 1e3, percentile(r.solo_ttft_s, 99) * 1e3
-        f50, f99 = percentile(r.flood_ttft_s, 50) * 1e3, percentile(r.flood_ttft_s, 99) * 1e3
-        print(f"{r.policy:<8} | {s50:>11.1f} | {s99:>11.1f} | {f50:>12.1f} | {f99:>12.1f} | "
-              f"{f50 / s50:>9.2f}x | {f99 / s99:>9.2f}x | {r.noisy_tokens_per_s:>11.1f}")
+        print(f"{r.policy:<8} | {ttft_cells(r.solo_ttft_s, r.flood_ttft_s, 99)} | "
+              f"{r.noisy_tokens_per_s:>11.1f}")
 
 
 PHASES = ("queue", "engine_queue", "prefill")

@@ -76,6 +76,12 @@ class VLLMOptions(BaseModel):
     enforce_eager: bool = Field(
         default=False,
         description="vLLM only: skip CUDA graph capture: faster start, slower decode.")
+    enable_lora: bool = Field(
+        default=False,
+        description="vLLM only: serve LoRA adapters (on by itself when engine.lora_adapters "
+        "names any; needed for adapters only added at run time).")
+    max_lora_rank: int = Field(
+        default=64, ge=1, le=512, description="vLLM only: the largest rank of an adapter.")
 
 
 class EngineConfig(BaseModel):
@@ -156,6 +162,17 @@ class EngineConfig(BaseModel):
     )
     num_kv_blocks: int | None = Field(
         default=None, ge=2, description="Exact number of KV blocks; overrides kv_cache_bytes."
+    )
+    lora_adapters: dict[str, LocalPathStr] = Field(
+        default_factory=dict,
+        description="LoRA adapters of this model, by the name a request gives as its `model`: "
+        "PEFT directories (adapter_config.json + adapter_model.safetensors) every replica can "
+        "read. torch engine; loaded on first use (replicas/engine/lora.py).",
+    )
+    max_loras: int = Field(
+        default=8, ge=1, le=1024,
+        description="LoRA adapters a replica keeps loaded (least recently used out first); "
+        "any number of them share one engine step.",
     )
     max_num_batched_tokens: int = Field(
         default=512,

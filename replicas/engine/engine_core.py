@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from replicas.engine import device_choice, kv_budget
 from replicas.engine.block_manager import BlockManager
@@ -19,6 +20,7 @@ from replicas.engine.errors import InvalidRequestError
 from replicas.engine.guide import Guide, GuideFactory
 from replicas.engine.interface import Chunk, FinishReason, GenerateRequest, LoadSnapshot
 from replicas.engine.loader import ModelSource, load_model_source
+from replicas.engine.lora import AdapterCache, AdapterError, LoraAdapter
 from replicas.engine.model_runner import CacheShape, ModelRunner
 from replicas.engine.models.cpu_linear import can_pack
 from replicas.engine.models.llama import LlamaForCausalLM
@@ -29,7 +31,7 @@ from replicas.engine.sampling_params import SamplingParams
 from replicas.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from replicas.engine.sequence import Sequence, SequenceStatus
 from replicas.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from replicas.protocol import cache_root
+from replicas.protocol import adapter_salt, cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,8 @@ class EngineCore:
                 model.use_cpu_kernels()
         self.cache_shape = self._cache_shape()  # after the weights: a GPU's budget is what is left
         self.runner = ModelRunner(model, self.cache_shape, self.device, self.dtype)
+        self.adapters = AdapterCache({n: Path(p) for n, p in config.lora_adapters.items()},
+                                     source.config, config.max_loras)
         self.block_manager = BlockManager(
             self.cache_shape.num_blocks, config.block_size, config.enable_prefix_caching,
             keys_token_kinds=self.compute.quantization is Quantization.INT4,
@@ -188,6 +192,9 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", "request_id")
         sampling = request.sampling
         resumes = {r.index: r for r in request.resume}
+        lora = self._adapter(request.adapter, request.adapter_path)
+        # an adapter's KV differs from the base model's: its own prefix-cache partition
+        root = cache_root(adapter_salt(request.cache_salt, None if lora is None else lora.name))
         seqs = []
         for index in range(sampling.n):
             resume = resumes.get(index)
@@ -195,8 +202,7 @@ class EngineCore:
                 continue
             seq_id = request.request_id if sampling.n == 1 else f"{request.request_id}/{index}"
             seq = Sequence.from_prompt(seq_id, prepared.prompt_token_ids, _choice(sampling, index),
-                                       arrival_s=prepared.arrival_s,
-                                       cache_root=cache_root(request.cache_salt))
+                                       arrival_s=prepared.arrival_s, cache_root=root, lora=lora)
             seq.guide = prepared.guides[index] if prepared.guides else None
             if request.scheduling is not None:
                 hints = request.scheduling
@@ -211,6 +217,18 @@ class EngineCore:
             seqs.append(seq)
         self._families[request.request_id] = _Family([s.request_id for s in seqs], seqs[1:])
         self.scheduler.add(seqs[0])
+
+    def _adapter(self, name: str | None, path: str | None) -> LoraAdapter | None:
+        if name is None:
+            return None
+        try:
+            if path is not None and self.adapters.paths.get(name) != Path(path):
+                self.adapters.register(name, Path(path))  # added at run time
+            adapter = self.adapters.get(name)
+            self.runner.uses_lora = True
+            return adapter
+        except AdapterError as exc:
+            raise InvalidRequestError(str(exc), "model") from exc
 
     def abort(self, request_id: str) -> list[Chunk]:
         """Stop a request (every choice) now and free its blocks; returns the final chunks of
@@ -295,6 +313,7 @@ class EngineCore:
             num_free_slots=max(0, self.config.max_num_seqs - running - waiting),
             num_steps=self._num_steps,
             compute=f"torch {self.compute.describe()}",
+            adapters=tuple(self.adapters.loaded),
         )
 
 

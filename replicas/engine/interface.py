@@ -75,6 +75,10 @@ class GenerateRequest:
     # the prefix-cache partition (vLLM's cache_salt): requests share cached blocks only with
     # requests of the same salt (``replicas.protocol.cache_root``); None: the shared one
     cache_salt: str | None = None
+    # a LoRA adapter of the model (EngineConfig.lora_adapters) to generate with; None: the base
+    adapter: str | None = None
+    # the adapter's PEFT directory, for one added at run time (the engine learns it by name)
+    adapter_path: str | None = None
 
     @property
     def num_open_choices(self) -> int:
@@ -136,6 +140,7 @@ class LoadSnapshot:
     num_free_slots: int  # how many more requests it would start now (max_num_seqs - running - waiting)
     num_steps: int = 0  # steps taken since start: a stuck step loop stops counting
     compute: str = ""  # what it runs: "torch cpu bfloat16", "vllm cuda:0 bfloat16", ...
+    adapters: tuple[str, ...] = ()  # the LoRA adapters it holds loaded
 
     @property
     def kv_usage(self) -> float:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from replicas.engine.attention import AttentionMetadata, KernelMetadata, PrefillSpan
+from replicas.engine.lora import LoraBatch, LoraStacks
 from replicas.engine.models.llama import LlamaForCausalLM
 from replicas.engine.models.model_config import ModelConfig
 from replicas.engine.scheduler import ScheduledSeq
@@ -44,6 +45,7 @@ class StepBatch:
     positions: torch.Tensor  # (num_tokens,)
     meta: AttentionMetadata | KernelMetadata
     sample_rows: torch.Tensor  # (num_sampling,) rows of the flat batch, in `scheduled` order
+    lora: LoraBatch | None = None  # the rows of LoRA adapters; None: all the base model's
 
 
 class ModelRunner:
@@ -62,12 +64,15 @@ class ModelRunner:
         # One (key, value) pair per layer, each (num_blocks, block_size, num_kv_heads, head_dim).
         kv = zeroed((cache.num_layers, 2, *shape), dtype, device)
         self.kv_caches = [(kv[layer, 0], kv[layer, 1]) for layer in range(cache.num_layers)]
+        self.lora_stacks = LoraStacks()  # the step's adapters, stacked (replicas/engine/lora.py)
+        self.uses_lora = False  # set once a request names an adapter: until then no row has one
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run one step; returns float32 logits (num_sampling, vocab) in ``scheduled`` order."""
         batch = self._prepare(scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta,
+                            batch.lora)
         return self.model.compute_logits(hidden[batch.sample_rows]).float()
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
@@ -80,9 +85,12 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         row_of: dict[int, int] = {}
+        adapters = []
         for s in decodes:
             pos = s.seq.num_computed_tokens
             row_of[id(s)] = len(input_ids)
+            if self.uses_lora:
+                adapters.append(s.seq.lora)
             input_ids.append(s.seq.token_ids[pos])
             positions.append(pos)
             slots.append(s.seq.block_ids[pos // bs] * bs + pos % bs)
@@ -90,6 +98,8 @@ class ModelRunner:
         for s in prefills:
             start, end = s.seq.num_computed_tokens, s.seq.num_computed_tokens + s.num_new_tokens
             spans.append(self._prefill_span(s, len(input_ids)))
+            if self.uses_lora:
+                adapters.extend([s.seq.lora] * (end - start))
             input_ids.extend(s.seq.token_ids[start:end])
             positions.extend(range(start, end))
             blocks = s.seq.block_ids
@@ -110,6 +120,7 @@ class ModelRunner:
             positions=self._tensor(positions),
             meta=meta,
             sample_rows=self._tensor(sample_rows),
+            lora=LoraBatch.of_rows(adapters, self.device, self.lora_stacks) if adapters else None,
         )
 
     def _prepare_for_kernels(
@@ -148,7 +159,10 @@ class ModelRunner:
         meta = KernelMetadata(positions_t, self._tensor(slots), self._tensor(token_seq),
                               self._tensor(tables), num_generated)
         sample_rows = [row_of[id(s)] for s in scheduled if s.is_sampling]
-        return StepBatch(self._tensor(input_ids), positions_t, meta, self._tensor(sample_rows))
+        lora = LoraBatch.of_rows([ordered[i].seq.lora for i in token_seq], self.device,
+                                 self.lora_stacks) if self.uses_lora else None
+        return StepBatch(self._tensor(input_ids), positions_t, meta, self._tensor(sample_rows),
+                         lora)
 
     def _decode_tables(self, decodes: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
         max_blocks = max(len(s.seq.block_ids) for s in decodes)

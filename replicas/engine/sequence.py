@@ -19,6 +19,7 @@ from replicas.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from replicas.engine.guide import Guide
+    from replicas.engine.lora import LoraAdapter
 
 
 class SequenceStatus(enum.Enum):
@@ -50,6 +51,7 @@ class Sequence:
     num_prefill_chunks: int = 0
     num_preemptions: int = 0
     guide: Guide | None = None  # the structured-output grammar's state, if any
+    lora: LoraAdapter | None = None  # the adapter its tokens are computed with (None: base)
     # Fair scheduling (replicas/engine/scheduler.py): the key whose token counter this sequence
     # adds to (the router passes the tenant), its priority class (higher first) and weight.
     fair_key: str = ""

@@ -1,7 +1,7 @@
 """OpenAI's request and response schemas, for the fields fairserve supports.
 
 Requests are ``extra="forbid"``: a field we do not implement is a 400 naming it, never silently
-ignored (a client that sends ``tools`` must learn it had no effect). Accepted: OpenAI's own
+ignored (a client must learn a field had no effect). Accepted: OpenAI's own
 sampling fields (``n``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``,
 ``response_format``, ...) and vLLM's extensions, as vLLM names and bounds them (``ignore_eos``,
 ``min_tokens``, ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``,
@@ -40,6 +40,22 @@ TOP_LOGPROBS_NEED_LOGPROBS = {
     "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
            "required": ["top_logprobs"]},
     "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}}
+REQUIRED_NEEDS_TOOLS = {
+    "if": {"properties": {"tool_choice": {"const": "required"}}, "required": ["tool_choice"]},
+    "then": {"properties": {"tools": {"type": "array"}}, "required": ["tools"]}}
+# a message's fields by its role
+MESSAGE_RULES = (
+    {"if": {"properties": {"tool_calls": {"type": "array"}}, "required": ["tool_calls"]},
+     "then": {"properties": {"role": {"const": "assistant"}}}},
+    {"if": {"properties": {"role": {"const": "tool"}}, "required": ["role"]},
+     "then": {"properties": {"tool_call_id": {"type": "string"}}, "required": ["tool_call_id"]}},
+    {"if": {"properties": {"tool_call_id": {"type": "string"}}, "required": ["tool_call_id"]},
+     "then": {"properties": {"role": {"const": "tool"}}}},
+    {"if": {"not": {"properties": {"role": {"const": "assistant"},
+                                   "tool_calls": {"type": "array"}},
+                    "required": ["role", "tool_calls"]}},
+     "then": {"properties": {"content": {"not": {"type": "null"}}}, "required": ["content"]}},
+)
 ONE_OF_THE_MAX_TOKENS = {
     "not": {"properties": {"max_tokens": {"type": "integer"},
                            "max_completion_tokens": {"type": "integer"}},
@@ -68,15 +84,80 @@ class TextPart(_Request):
     text: str
 
 
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 64  # in one assistant message of the history
+
+
+class ToolCallFunction(_Request):
+    name: str = Field(pattern=TOOL_NAME.pattern)
+    arguments: str = Field(description="the arguments, a JSON object as text")
+
+
+class ToolCall(_Request):
+    id: str = Field(min_length=1, max_length=128)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] = Field(description="text, or a list of text parts")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_state_rules)
+    schema_rules: ClassVar[tuple[dict[str, Any], ...]] = MESSAGE_RULES
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(
+        None, description="text, or a list of text parts; an assistant message with tool_calls "
+        "may have none")
     name: str | None = Field(None, max_length=64)
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1, max_length=MAX_TOOL_CALLS)] | \
+        None = Field(None, description="assistant: the tools it called")
+    tool_call_id: str | None = Field(None, min_length=1, max_length=128,
+                                     description="tool: the call this message answers")
+
+    @model_validator(mode="after")
+    def _check_role_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message has them")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool message names the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id: only a tool message has it")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required (only an assistant message with tool_calls may "
+                             "leave it out)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionSpec(_Request):
+    name: str = Field(pattern=TOOL_NAME.pattern,
+                      description="a-z, A-Z, 0-9, _ and -, at most 64 characters")
+    description: str | None = Field(None, max_length=4096)
+    parameters: dict[str, Any] = Field(
+        default_factory=lambda: {"type": "object", "properties": {}},
+        description="the arguments' JSON Schema (an object)")
+    strict: bool | None = Field(None, description="accepted; with tool_choice required or a "
+                                "named function the arguments always match")
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Request):
@@ -187,9 +268,14 @@ class _Sampling(_Request):
 
 
 class ChatCompletionRequest(_Sampling):
-    schema_rules = (STREAM_OPTIONS_NEED_STREAM, TOP_LOGPROBS_NEED_LOGPROBS, ONE_OF_THE_MAX_TOKENS)
+    schema_rules = (STREAM_OPTIONS_NEED_STREAM, TOP_LOGPROBS_NEED_LOGPROBS, ONE_OF_THE_MAX_TOKENS,
+                    REQUIRED_NEEDS_TOOLS)
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (the default with tools), required, or a named function")
+    parallel_tool_calls: bool = Field(True, description="false: at most one call per answer")
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI; still honoured")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -201,7 +287,17 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("top_logprobs: requires logprobs to be true")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("max_completion_tokens: max_tokens is set too; send one of them")
+        if self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice: required needs tools")
         return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required, or "function:<name>" (a named function)."""
+        if not self.tools:
+            return "none"
+        choice = self.tool_choice or "auto"
+        return choice if isinstance(choice, str) else f"function:{choice.function.name}"
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -247,16 +343,23 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprobInfo] | None
 
 
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
 
 
 class ChatCompletion(BaseModel):
@@ -279,7 +382,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
 
 
 class Completion(BaseModel):
@@ -302,16 +405,32 @@ class CompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
+class ToolCallDeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A tool call's first delta has its index, id, type and name (and arguments ""); the
+    next ones add to its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ToolCallDeltaFunction
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -330,6 +449,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    # as vLLM's: the base model of a LoRA adapter (its own id for the base), and the context
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
 
 
 class ModelList(BaseModel):

@@ -25,7 +25,8 @@ from pydantic.json_schema import models_json_schema
 from router.api.openai_models import ChatCompletionChunk, CompletionChunk
 
 REF_TEMPLATE = "#/components/schemas/{model}"
-EVENT_ID_PATTERN = r"^[0-9]{1,20}-[0-9]{1,20}$"  # a Redis stream entry id
+# a Redis stream entry id, and each choice's output tokens the client had (ReadPoint)
+EVENT_ID_PATTERN = r"^[0-9]{1,20}-[0-9]{1,20}(;[0-9]{1,10}(,[0-9]{1,10}){0,127})?$"
 SSE_MODELS: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/chat/completions", "post"): ChatCompletionChunk,
     ("/v1/chat/completions/{request_id}", "get"): ChatCompletionChunk,
@@ -59,6 +60,10 @@ def openapi_document(app: FastAPI, limits: DeploymentLimits) -> dict[str, Any]:
                 _not_null(parameter)
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         _bound_request(schemas[name]["properties"], limits)
+    if "ResponsesRequest" in schemas:
+        responses = schemas["ResponsesRequest"]["properties"]
+        responses["model"] = {**responses["model"], "enum": [limits.model_name]}
+        _set(responses["max_output_tokens"], "integer", maximum=limits.context_tokens - 1)
     return doc
 
 

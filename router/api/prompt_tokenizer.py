@@ -25,6 +25,7 @@ class ModelInfo:
     kv_capacity_tokens: int  # tokens one replica's whole KV cache holds
     tokenizer_files: dict[str, bytes] = field(repr=False)  # file name -> contents
     created_s: int = 0  # for /v1/models
+    adapters: tuple[str, ...] = ()  # the LoRA adapters the settings name (engine.lora_adapters)
 
 
 class PromptTokenizer:

@@ -28,14 +28,16 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Header, Path, Query, Request
+from fastapi import FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.routing import APIRoute
 from redis.exceptions import OutOfMemoryError, RedisError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from router.api import responses
+from router.api.auth import ApiKey
 from router.api.openai_models import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -48,7 +50,7 @@ from router.api.openapi import openapi_document
 from router.api.shaper import Shape, Shaper, sse_data
 from router.api.tenant_gate import TenantGate
 from router.dispatch.response_events import ChunkData, EndData
-from router.dispatch.streams import START
+from router.dispatch.streams import START, ReadPoint
 from router.errors import (
     InvalidRequestError,
     NotFoundError,
@@ -103,18 +105,6 @@ RepeatEventId = Annotated[str | None, Header(
     "stream after this event id")]
 
 
-_bearer = HTTPBearer(auto_error=False, scheme_name="bearer",
-                     description="an API key of a tenant (fs-...)")
-
-
-async def _authorization(
-        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str | None:
-    """The Authorization header of a bearer key; None without one (then 401, OpenAI's body)."""
-    return None if credentials is None else f"Bearer {credentials.credentials}"
-
-
-ApiKey = Annotated[str | None, Depends(_authorization)]
-
 
 def build_api(service: RouterService) -> FastAPI:
     app = FastAPI(title="fairserve", version="0.1.0",
@@ -144,10 +134,10 @@ def build_api(service: RouterService) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList, responses={401: ERROR_RESPONSES[401]})
     async def models(authorization: ApiKey) -> dict[str, Any]:
-        await service.authenticate(authorization)
-        return {"object": "list", "data": [{
-            "id": service.model.served_model_name, "object": "model",
-            "created": service.model.created_s, "owned_by": "fairserve"}]}
+        """The base models (and their aliases) and the LoRA adapters this key's tenant may
+        use, each with its context length; an alias's ``root`` is its model."""
+        principal = await service.authenticate(authorization)
+        return {"object": "list", "data": await service.model_cards(principal.tenant_id)}
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses={
         **ERROR_RESPONSES, 200: {"description": "a completion, or with stream=true an SSE "
@@ -193,6 +183,7 @@ def build_api(service: RouterService) -> FastAPI:
         return await _resume(service, False, request_id, stream, starting_after or last_event_id,
                              param, authorization)
 
+    responses.register(app, service, _raise_if_failed, ERROR_RESPONSES)
     return app
 
 
@@ -213,31 +204,31 @@ async def _respond(service: RouterService, body: ChatCompletionRequest | Complet
         shape = (await service.shape_of(submission.tenant_id, submission.request_id)
                  if submission.is_duplicate else submission.shape)
         # a retry with the same key that says where it was resumes from there
-        after = (await service.position(submission.tenant_id, submission.request_id,
+        point = (await service.position(submission.tenant_id, submission.request_id,
                                         last_event_id, "Last-Event-ID")
-                 if submission.is_duplicate and last_event_id else START)
+                 if submission.is_duplicate and last_event_id else ReadPoint())
     except BaseException as exc:
         if isinstance(exc, RouterError):
             observer.refused(exc)
         await asyncio.shield(service.detach(reader))
         raise
     observer.admitted(submission.tenant_id, submission.request_id, submission.max_tokens)
-    return await _reply(service, reader, shape, observer, body.stream, after)
+    return await _reply(service, reader, shape, observer, body.stream, point)
 
 
 async def _reply(service: RouterService, reader: Reader, shape: Shape,
-                 observer: RequestObserver, stream: bool, after: str) -> Any:
+                 observer: RequestObserver, stream: bool, point: ReadPoint) -> Any:
     """The answer to an attached ``reader``, streamed or whole; the reader is detached when
     it ends, however it ends (``_ReaderStream`` for a stream)."""
-    shaper = Shaper(shape, service.tokenizer.piece)
+    shaper = Shaper(shape, service.model_named(shape.base).tokenizer.piece)
     headers = {"X-Fairserve-Request-Id": shape.request_id}
     if stream:
         return _ReaderStream(service, reader,
-                             _sse(service, reader.tenant_id, shaper, observer, after),
+                             _sse(service, reader.tenant_id, shaper, observer, point),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", **headers})
     try:
-        async for _, item in service.events(reader.tenant_id, shape.request_id):
+        async for _, item in service.events(reader.tenant_id, shape.request_id, ReadPoint()):
             if isinstance(item, ChunkData):
                 observer.tokens(item.num_tokens)
                 shaper.add(item)
@@ -285,26 +276,37 @@ async def _resume(service: RouterService, is_chat: bool, request_id: str, stream
         if shape.is_chat != is_chat:
             raise NotFoundError(f"no such {'chat completion' if is_chat else 'completion'} "
                                 f"{request_id!r}", param="request_id")
-        after = (await service.position(principal.tenant_id, request_id, position, param)
-                 if position else START)
+        point = (await service.position(principal.tenant_id, request_id, position, param)
+                 if position else ReadPoint())
         reader = await service.attach(principal.tenant_id, request_id, ReaderKind.RESUME)
     except RouterError as exc:
         observer.refused(exc)
         raise
-    return await _reply(service, reader, shape, observer, stream, after)
+    return await _reply(service, reader, shape, observer, stream, point)
+
+
+async def _openers(service: RouterService, tenant_id: str, shaper: Shaper, point: ReadPoint
+                   ) -> str:
+    """What a stream starts with: each choice's role; a resumed one had them, and with tool
+    calls its parser reads what the client had first, silently."""
+    if point.after == START and not point.has_positions:
+        return "".join(sse_data(opener) for opener in shaper.first_chunks())
+    if shaper.calls:
+        for chunk in await service.chunks_before(tenant_id, shaper.id, point):
+            shaper.delta(chunk)
+    return ""
 
 
 async def _sse(service: RouterService, tenant_id: str, shaper: Shaper,
-               observer: RequestObserver, after: str) -> AsyncIterator[str]:
+               observer: RequestObserver, point: ReadPoint) -> AsyncIterator[str]:
     request_id = shaper.id
     is_ended = False
     try:
-        if after == START:  # a stream resumed part-way has had its openers
-            openers = "".join(sse_data(opener) for opener in shaper.first_chunks())
-            if openers:
-                yield openers
+        openers = await _openers(service, tenant_id, shaper, point)
+        if openers:
+            yield openers
         # all the events that arrived together go out in one write
-        async for batch in service.event_batches(tenant_id, request_id, after):
+        async for batch in service.event_batches(tenant_id, request_id, point):
             text, end = _chunks_text(batch, shaper, observer)
             if end is None:
                 if text:
@@ -398,14 +400,17 @@ def _add_error_handlers(app: FastAPI, service: RouterService) -> None:
         return error_response(OverloadedError(f"the queue store is unavailable: {exc}"))
 
     @app.exception_handler(HTTPException)
-    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
         # Starlette's and FastAPI's own: no route (404), wrong method (405), a body that
         # cannot be read (400: not UTF-8, ...): OpenAI's error body all the same
         error = RouterError(str(exc.detail), code=_HTTP_CODES.get(exc.status_code))
         error.status = exc.status_code
         error.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:  # every method of the path (Starlette names one route's)
+            headers["Allow"] = ", ".join(_methods_of(app, request.url.path))
         return JSONResponse(_error_body(error), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+                            headers=headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -419,6 +424,12 @@ def _add_error_handlers(app: FastAPI, service: RouterService) -> None:
         message, param = describe_validation_error(exc.errors())
         service.metrics.inc("fairserve_requests", (UNKNOWN_TENANT, "refused", "invalid_request_error"))
         return JSONResponse(_error_body(InvalidRequestError(message, param)), status_code=400)
+
+
+def _methods_of(app: FastAPI, path: str) -> list[str]:
+    """The methods the routes of ``path`` take (one path may have a route per method)."""
+    return sorted({method for route in app.routes if isinstance(route, APIRoute)
+                   and route.path_regex.match(path) for method in route.methods or ()})
 
 
 def describe_validation_error(errors: Any) -> tuple[str, str | None]:

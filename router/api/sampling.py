@@ -21,6 +21,7 @@ from router.api.openai_models import (
     JsonObjectFormat,
     JsonSchemaFormat,
 )
+from router.api.tools import calls_schema
 from router.errors import UNSUPPORTED_SCHEMA, InvalidRequestError
 from router.state.keys import STREAM_MAX_EVENTS
 
@@ -43,19 +44,29 @@ async def check_sampling(request: Request, vocab_size: int, max_n: int) -> None:
                 param=name)
     spec = structured_output(request)
     if spec is not None:
-        _check_schema_bounds(spec["schema"])
+        param = "tools" if spec["kind"] == "tool_calls" else "response_format"
+        _check_schema_bounds(spec["schema"], param)
         try:
             if spec["schema"]:
                 await asyncio.to_thread(check_grammar, spec["kind"], spec["schema"])
             else:
                 check_grammar(spec["kind"], spec["schema"])
         except GrammarError as exc:
-            raise InvalidRequestError(f"response_format: the schema cannot be compiled: {exc}",
-                                      param="response_format", code=UNSUPPORTED_SCHEMA) from None
+            raise InvalidRequestError(f"{param}: the schema cannot be compiled: {exc}",
+                                      param=param, code=UNSUPPORTED_SCHEMA) from None
 
 
 def structured_output(request: Request) -> dict[str, str] | None:
-    """The wire form of ``response_format``; None for text."""
+    """The wire form of ``response_format``, or of a forced tool call (``tool_choice``
+    ``required`` or a named function: router/api/tools.py); None for free text."""
+    if isinstance(request, ChatCompletionRequest) and request.tool_mode not in ("none", "auto"):
+        if request.response_format is not None and request.response_format.type != "text":
+            raise InvalidRequestError("tool_choice: a forced tool call and a JSON "
+                                      "response_format cannot both shape the answer",
+                                      param="tool_choice")
+        assert request.tools is not None
+        return {"kind": "tool_calls", "schema": json.dumps(calls_schema(
+            request.tools, request.tool_mode, request.parallel_tool_calls))}
     form = request.response_format
     if isinstance(form, JsonObjectFormat):
         return {"kind": "json_object", "schema": ""}
@@ -94,7 +105,7 @@ def sampling_wire(request: Request, max_tokens: int) -> dict[str, Any]:
     return wire
 
 
-def _check_schema_bounds(schema: str) -> None:
+def _check_schema_bounds(schema: str, param: str = "response_format") -> None:
     """A schema is compiled into a grammar for each request that sends it, on the router and
     on the replica: its size and nesting are capped before that (``MAX_SCHEMA_BYTES``,
     ``MAX_SCHEMA_DEPTH``)."""
@@ -104,8 +115,8 @@ def _check_schema_bounds(schema: str) -> None:
     elif schema and _depth(json.loads(schema)) > MAX_SCHEMA_DEPTH:
         problem = f"it nests deeper than {MAX_SCHEMA_DEPTH} levels"
     if problem is not None:
-        raise InvalidRequestError(f"response_format: the schema is too large: {problem}",
-                                  param="response_format", code=UNSUPPORTED_SCHEMA)
+        raise InvalidRequestError(f"{param}: the schema is too large: {problem}",
+                                  param=param, code=UNSUPPORTED_SCHEMA)
 
 
 def _depth(value: Any) -> int:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from router.api.openai_models import ChatCompletionRequest, CompletionRequest
+from router.api.tools import StreamingCalls, call_id, parse_calls
 from router.dispatch.response_events import ChunkData, EndData
 from router.telemetry.request_observer import PhaseTimes
 
@@ -30,14 +31,20 @@ class Shape:
     include_usage: bool = False
     continuous_usage: bool = False
     wants_logprobs: bool = False
+    base: str = ""  # the base model that serves it (its tokenizer reads the logprobs' ids)
+    # chat with tools: "auto" (the answer may hold calls) or "forced" (it is calls, under the
+    # grammar); "none": no tools (router/api/tools.py)
+    tool_mode: str = "none"
 
     @classmethod
     def of(cls, body: ChatCompletionRequest | CompletionRequest, request_id: str, model: str,
-           prompt_tokens: int) -> Shape:
+           prompt_tokens: int, base: str = "") -> Shape:
         is_chat = isinstance(body, ChatCompletionRequest)
+        mode = body.tool_mode if isinstance(body, ChatCompletionRequest) else "none"
         return cls(request_id, is_chat, model, int(time.time()), prompt_tokens, body.n,
                    body.include_usage, body.continuous_usage,
-                   bool(body.logprobs) if is_chat else body.logprobs is not None)
+                   bool(body.logprobs) if is_chat else body.logprobs is not None, base,
+                   mode if mode in ("none", "auto") else "forced")
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,11 +80,15 @@ class Shaper:
         self.logprobs: list[list[Any]] = [[] for _ in range(shape.num_choices)]
         self.finished: set[int] = set()
         self.wants_logprobs = shape.wants_logprobs
+        self.tool_mode = shape.tool_mode if self.is_chat else "none"
+        # with tools, each choice's text goes through a parser (router/api/tools.py)
+        self.calls = [StreamingCalls(self.id, i, self.tool_mode == "forced")
+                      for i in range(self.num_choices)] if self.tool_mode != "none" else []
         # NOTE: a stream's token chunk is the hottest object the router builds: in the common
         # case (no logprobs, no usage per chunk) its JSON is put together from these two
         # pieces and the chunk's text, byte for byte what ``_data(delta(...))`` writes
         # (tests/router/test_shaper.py holds them equal).
-        self._is_plain = not self.wants_logprobs and not self.continuous_usage
+        self._is_plain = not self.wants_logprobs and not self.continuous_usage and not self.calls
         head = self._envelope([], True)
         head.pop("usage", None)
         self._head = json.dumps(head, separators=(",", ":"))[:-3] + '[{"index":'
@@ -127,12 +138,37 @@ class Shaper:
         logprobs = self._logprobs(chunk.logprobs or [], offset) if self.wants_logprobs else None
         self.num_tokens += chunk.num_tokens
         self.num_chars[index] += len(chunk.text)
+        if self.calls:
+            return self._tools_delta(chunk, logprobs)
         if chunk.finish_reason is not None:
             self.finished.add(index)
         elif not (chunk.text or chunk.num_tokens):
             return None
         text = chunk.text if (chunk.text or chunk.num_tokens) else None
         return self._envelope([self._choice(index, text, logprobs, chunk.finish_reason)], True)
+
+    def _tools_delta(self, chunk: ChunkData, logprobs: Any) -> dict[str, Any] | None:
+        """A chunk of a chat with tools: its content and tool-call deltas (one message: an
+        event id names all it carried); the last one says ``tool_calls`` if calls were made."""
+        calls = self.calls[chunk.index]
+        deltas = calls.feed(chunk.text)
+        finish = chunk.finish_reason
+        if finish is not None:
+            self.finished.add(chunk.index)
+            rest = calls.finish()
+            deltas.content += rest.content
+            if calls.num_calls and finish == "stop":
+                finish = "tool_calls"
+        if not (deltas.content or deltas.tool_calls or finish is not None or logprobs):
+            return None
+        delta: dict[str, Any] = {}
+        if deltas.content:
+            delta["content"] = deltas.content
+        if deltas.tool_calls:
+            delta["tool_calls"] = deltas.tool_calls
+        choice = {"index": chunk.index, "logprobs": logprobs, "finish_reason": finish,
+                  "delta": delta}
+        return self._envelope([choice], True)
 
     def delta_sse(self, chunk: ChunkData, event_id: str) -> str:
         """``delta``'s chunk as its SSE message (``""`` when there is none)."""
@@ -152,7 +188,15 @@ class Shaper:
 
     def _finish_chunk(self, index: int, reason: str | None) -> dict[str, Any]:
         self.finished.add(index)
-        return self._envelope([self._choice(index, None, None, reason)], True)
+        choice = self._choice(index, None, None, reason)
+        if self.calls:  # what the parser still holds, and the calls' finish reason
+            calls = self.calls[index]
+            rest = calls.finish()
+            if rest.content:
+                choice["delta"] = {"content": rest.content}
+            if calls.num_calls and reason == "stop":
+                choice["finish_reason"] = "tool_calls"
+        return self._envelope([choice], True)
 
     def last_chunks(self, end: EndData, phases: PhaseTimes) -> list[dict[str, Any]]:
         reasons = self._reasons(end)
@@ -178,8 +222,20 @@ class Shaper:
             logprobs = self._logprobs(self.logprobs[i], 0) if self.wants_logprobs else None
             choice: dict[str, Any] = {"index": i, "logprobs": logprobs,
                                       "finish_reason": reasons[i]}
-            choice |= {"message": {"role": "assistant", "content": text}} if self.is_chat \
-                else {"text": text}
+            if not self.is_chat:
+                choice["text"] = text
+            elif self.tool_mode == "none":
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                content, calls = parse_calls(text)
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = [
+                        {"id": call_id(self.id, i, k), "type": "function",
+                         "function": {"name": c.name, "arguments": c.arguments}}
+                        for k, c in enumerate(calls)]
+                    if reasons[i] == "stop":
+                        choice["finish_reason"] = "tool_calls"
             choices.append(choice)
         out = self._envelope(choices, False)
         out["usage"] = usage_of(end, phases)

@@ -76,16 +76,26 @@ class DispatchSettings(BaseModel):
 
 
 class Dispatcher:
+    """Grants the requests of one model's pool (``pool``; "": the default model's) to this
+    router, as many as that model's replicas (those reporting ``model``, its served name; None:
+    every replica) have slots free, and serves each; its spans name the model. ``reaps``: this one also requeues the expired leases of
+    every pool (one dispatcher per router does)."""
+
     def __init__(self, queues: TenantQueues, replicas: ReplicaPool, holder: str, settings: DispatchSettings | None = None,
                  tracing: Tracing = OFF,
-                 on_migration: Callable[[str, str], None] = lambda tenant, reason: None) -> None:
+                 on_migration: Callable[[str, str], None] = lambda tenant, reason: None,
+                 pool: str = "", model: str | None = None, reaps: bool = True) -> None:
         self.queues = queues
+        self.pool = pool
+        self.reaps = reaps
         self.streams = ResponseStreams(queues.scripts)
         self.tracing = tracing
         self.replicas = replicas
         self.holder = holder
         self.settings = settings or DispatchSettings()
-        self.capacity = CapacityView(queues.client, self.settings.capacity_refresh_s)
+        self.model = model
+        self.capacity = CapacityView(queues.client, self.settings.capacity_refresh_s, model,
+                                     is_default=not pool)
         self._wake = asyncio.Event()
         self.relay = Relay(queues, self.streams, replicas, tracing,
                            self.settings.relay_settings(), on_migration)
@@ -113,7 +123,7 @@ class Dispatcher:
                 await asyncio.sleep(self.settings.poll_s)
 
     async def _step(self) -> None:
-        if time.monotonic() - self._last_reap >= self.settings.reap_s:
+        if self.reaps and time.monotonic() - self._last_reap >= self.settings.reap_s:
             self._last_reap = time.monotonic()
             reaped = await self.queues.reap()
             if reaped.num_requeued or reaped.num_dead:
@@ -126,7 +136,7 @@ class Dispatcher:
         slots = await self.capacity.total_slots()
         if slots <= 0:
             return
-        batch = await self.queues.grant(self.holder, slots, capacity=slots)
+        batch = await self.queues.grant(self.holder, slots, capacity=slots, pool=self.pool)
         granted_ns = now_ns()
         for grant in batch.grants:
             task = asyncio.create_task(self._serve(grant, granted_ns),
@@ -148,9 +158,7 @@ class Dispatcher:
         running = self._running.get(request_id)
         if running is None:
             return False
-        running.is_cancel_requested = True
-        if running.stream is not None:
-            running.stream.cancel()
+        _abort(running)
         return True
 
     @property
@@ -187,7 +195,10 @@ class Dispatcher:
             renewer.cancel()
             if running.stream is not None:
                 running.stream.cancel()
-            self._running.pop(grant.request_id, None)
+            # NOTE: this router may hold the request again already (its lease lapsed, the
+            # reaper queued it, this router was granted it: attempt 2): that entry is not ours
+            if self._running.get(grant.request_id) is running:
+                del self._running[grant.request_id]
             self._wake.set()  # a slot is free
 
     def _start_spans(self, running: Running, meta: dict[str, Any]) -> Span | None:
@@ -200,8 +211,11 @@ class Dispatcher:
             facts = QueueFacts(grant.tenant_id, grant.priority, grant.admit_depth,
                                grant.prompt_tokens + grant.max_tokens)
             record_queue_span(tracer, parent, facts, running.admitted_ns, running.granted_ns)
-        return start_dispatch_span(tracer, parent, grant.request_id, self.holder,
+        span = start_dispatch_span(tracer, parent, grant.request_id, self.holder,
                                    grant.lease.attempt, running.granted_ns)
+        if self.model is not None:
+            span.set_attribute("fairserve.model", self.model)
+        return span
 
     async def _renew(self, running: Running) -> None:
         lease: Lease = running.grant.lease
@@ -211,12 +225,18 @@ class Dispatcher:
                 status = await self.queues.renew(lease)
             except LeaseLostError:
                 logger.warning("lease on %s lost", lease.request_id)
-                self.abort_local(lease.request_id)
+                _abort(running)  # this attempt's, not a later one this router holds
                 return
             except (RedisError, OSError) as exc:
                 logger.warning("renewing %s failed: %s", lease.request_id, exc)
                 continue
             if status.is_cancel_requested:
-                self.abort_local(lease.request_id)
+                _abort(running)
 
 
+def _abort(running: Running) -> None:
+    """Stop serving one attempt of a request: its call is cancelled, and it ends as
+    cancelled (or, its lease lost, is dropped)."""
+    running.is_cancel_requested = True
+    if running.stream is not None:
+        running.stream.cancel()

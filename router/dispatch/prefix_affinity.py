@@ -17,6 +17,12 @@ match equally, the less loaded is taken (ties: at random); nothing matched: the 
 choices (the less loaded of two at random, on the same loads). A replica that cannot take the
 request (full) makes Ray try the next rank: the other candidates, least loaded first.
 
+A request of a LoRA adapter that no prefix matched goes, by the same rule, to a replica that
+holds the adapter (it published it as loaded, or this router sent it one of its requests lately:
+at most ``MAX_ADAPTERS_REMEMBERED`` per replica), unless that one is overloaded: an adapter
+loaded elsewhere is a load (milliseconds to a second) saved. Its prompts' blocks are keyed in the
+adapter's own partition, as the engine keys them (``adapter_salt``).
+
 A wrong guess costs prefill time, never a wrong answer (the engine computes whatever its cache
 lacks). Generated tokens are not indexed: the router only knows prompts (and the int4 engine
 keys blocks holding generated tokens apart from prompt blocks anyway).
@@ -42,14 +48,18 @@ from ray.serve.request_router import (
 )
 
 from replicas.protocol import (
+    PUBLISHED_ADAPTERS,
     PUBLISHED_BLOCKS,
     PUBLISHED_VERSION,
     ReplicaCall,
+    adapter_salt,
     cache_root,
     hash_block_tokens,
 )
 
 logger = logging.getLogger(__name__)
+
+MAX_ADAPTERS_REMEMBERED = 64  # per replica: the adapters this router sent it lately
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None
@@ -217,14 +227,27 @@ class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRout
         self._rng = random.Random()
         # the replicas' published cached hashes as sets, rebuilt when Ray hands new stats
         self._published: dict[str, tuple[int, frozenset[int]]] = {}
+        self._sent_adapters: dict[str, OrderedDict[str, None]] = {}  # replica -> adapters
+
+    @staticmethod
+    def _call(pending_request: PendingRequest | None) -> ReplicaCall | None:
+        if pending_request is None or not pending_request.args:
+            return None
+        call = pending_request.args[0]
+        return call if isinstance(call, ReplicaCall) else None
 
     def _hashes(self, pending_request: PendingRequest | None) -> list[int]:
-        if pending_request is None or not pending_request.args:
+        call = self._call(pending_request)
+        if call is None or not call.prompt_token_ids:
             return []
-        call = pending_request.args[0]
-        if not isinstance(call, ReplicaCall) or not call.prompt_token_ids:
-            return []
-        return block_hashes(call.prompt_token_ids, self.block_size, call.cache_salt)
+        adapter = call.adapter.name if call.adapter is not None else None
+        return block_hashes(call.prompt_token_ids, self.block_size,
+                            adapter_salt(call.cache_salt, adapter))
+
+    def _holds(self, replica: RunningReplica, adapter: str) -> bool:
+        rid = replica.replica_id.unique_id
+        return (adapter in self._sent_adapters.get(rid, ())
+                or adapter in (replica.routing_stats or {}).get(PUBLISHED_ADAPTERS, ()))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -242,6 +265,10 @@ class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRout
                        for rid, r in by_id.items()}
             order = rank_by_affinity(matches, loads, self.min_match_blocks, self.max_imbalance,
                                      self._rng)
+        call = self._call(pending_request)
+        if order is None and call is not None and call.adapter is not None and len(by_id) > 1:
+            holders = {rid: int(self._holds(r, call.adapter.name)) for rid, r in by_id.items()}
+            order = rank_by_affinity(holders, loads, 1, self.max_imbalance, self._rng)
         if order is None:  # power of two choices, on the same loads
             pair = list(by_id) if len(by_id) <= 2 else self._rng.sample(list(by_id), 2)
             order = sorted(pair, key=lambda rid: (loads[rid], self._rng.random()))
@@ -268,6 +295,13 @@ class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRout
         hashes = self._hashes(pending_request)
         if hashes:
             self.index.record(replica_id.unique_id, hashes)
+        call = self._call(pending_request)
+        if call is not None and call.adapter is not None:
+            sent = self._sent_adapters.setdefault(replica_id.unique_id, OrderedDict())
+            sent[call.adapter.name] = None
+            sent.move_to_end(call.adapter.name)
+            while len(sent) > MAX_ADAPTERS_REMEMBERED:
+                sent.popitem(last=False)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
@@ -277,6 +311,7 @@ class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRout
         super().on_replica_actor_died(replica_id)
         self.own_loads.forget(replica_id.unique_id)
         self.index.forget(replica_id.unique_id)
+        self._sent_adapters.pop(replica_id.unique_id, None)
         self._published.pop(replica_id.unique_id, None)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -285,3 +320,4 @@ class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRout
         self.index.keep_only(live)
         self.own_loads.keep_only(live)
         self._published = {rid: v for rid, v in self._published.items() if rid in live}
+        self._sent_adapters = {rid: v for rid, v in self._sent_adapters.items() if rid in live}

@@ -50,6 +50,7 @@ from opentelemetry.trace import Span, Status, StatusCode
 from redis.exceptions import RedisError
 
 from replicas.protocol import (
+    CallAdapter,
     CallReport,
     CallSampling,
     CallScheduling,
@@ -65,6 +66,7 @@ from router.errors import (
     ReplicaFailedError,
     ReplicaUnavailableError,
     RouterError,
+    StreamGapError,
 )
 from router.messages import Grant, RequestState, StreamEvent
 from router.state import keys
@@ -124,6 +126,8 @@ class _Stalled(Exception):
 
 
 _CANCELLED = "cancelled"  # a call's end: its request's cancel flag went up
+# a Redis failover lost the stream's last chunks: it is read back and the tokens made again
+_STREAM_GAP = "stream gap: the response stream lost its last chunks (a Redis failover)"
 
 
 class Relay:
@@ -187,8 +191,11 @@ class Relay:
             # learns what another sent
             cache_salt=grant.cache_salt,
             resume=running.progress.resume(),
-            trace=carrier(running.span) if running.span is not None else None)
+            trace=carrier(running.span) if running.span is not None else None,
+            adapter=CallAdapter(*body["adapter"]) if body.get("adapter") else None)
         running.replica_id = None
+        if call.adapter is not None and running.span is not None:
+            running.span.set_attribute("fairserve.lora_adapter", call.adapter.name)
         try:
             reason = _CANCELLED if running.is_cancel_requested else await self._follow(running,
                                                                                      call)
@@ -217,12 +224,17 @@ class Relay:
                                      f"refused the replica's writes", param="request_id")
             if report.halted == Halt.REDIS_UNAVAILABLE:
                 stream.cancel()
-                return f"replica {running.replica_id} lost Redis"
+                return f"redis unavailable: replica {running.replica_id} lost Redis"
+            if report.halted == Halt.STREAM_GAP:
+                return _STREAM_GAP
             if report.halted == Halt.CANCELLED or running.is_cancel_requested:
                 running.is_cancel_requested = True
                 return _CANCELLED
-            if report.finish_reason is not None and await self._finished(running, report):
-                return None
+            try:
+                if report.finish_reason is not None and await self._finished(running, report):
+                    return None
+            except StreamGapError:  # the last chunks were lost: made again, then completed
+                return _STREAM_GAP
         return _CANCELLED if running.is_cancel_requested else "stream ended early"
 
     async def _watched(self, running: Running, stream: ReplicaStream
@@ -348,8 +360,10 @@ class Relay:
         final = response_events.end_data(reasons[0], prompt, completion, cached, timings,
                                          reasons if progress.num_choices > 1 else None)
         outcome = RequestState.CANCELLED if reasons[0] == "abort" else RequestState.COMPLETED
+        # completed only if the stream holds every token (a Redis failover may have lost some)
         await _riding_out_redis(lambda: self.queues.complete(
-            running.grant.lease, prompt, completion, reasons[0], final, outcome))
+            running.grant.lease, prompt, completion, reasons[0], final, outcome,
+            completion if outcome == RequestState.COMPLETED else None))
         if running.span is not None:
             running.span.set_attribute("fairserve.replica.id", running.replica_id or "")
             running.span.set_attribute("fairserve.migrations", running.migrations)

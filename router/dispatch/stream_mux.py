@@ -27,6 +27,7 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from router.dispatch.streams import START
 from router.errors import NotFoundError, OverloadedError, StreamIdleError
 from router.messages import RequestState, StreamEvent
 from router.state import keys
@@ -158,7 +159,11 @@ class StreamMux:
         tick."""
         batch = waiter.take()
         if not batch and waiter.lagging:
-            batch = await self._catch_up(stream_key, waiter)
+            try:
+                batch = await self._catch_up(stream_key, waiter)
+            except (RedisError, OSError) as exc:  # a restart or failover: as a tick, which
+                logger.warning("catching up %s: %s", stream_key, exc)  # checks on Redis
+                return []
         if not batch:
             event = await waiter.queue.get()
             batch = [event] if event is not None else []
@@ -211,22 +216,40 @@ class StreamMux:
                         waiter.queue.put_nowait(None)
 
     async def _run(self) -> None:
+        is_reconnect = False
         while not self._is_stopping:
             reader = aioredis.Redis(connection_pool=self.client.connection_pool,
                                     single_connection_client=True)
             try:
                 self._reader_id = int(await reader.client_id())
+                if is_reconnect:
+                    await self._recheck(reader)
+                is_reconnect = False
                 await self._read_forever(reader)
             except (RedisError, OSError) as exc:
                 # waiters keep their positions and are served again once Redis is back; each
                 # waiter's own existence check fails its request if Redis stays away
                 logger.warning("stream reader lost Redis: %s", exc)
+                is_reconnect = True
                 await asyncio.sleep(RECONNECT_S)
             finally:
                 self._reader_id = None
                 self._is_blocked = False
                 with contextlib.suppress(RedisError, OSError):
                     await reader.aclose()
+
+    async def _recheck(self, reader: aioredis.Redis) -> None:
+        """After Redis was away: a waiter whose last event the stream no longer has (a failover
+        to a replica that had not received it) reads its stream again from the start; its
+        reader skips the tokens its client has (``ReadPoint``). Without this, the events made
+        again after the loss could sort before the lost id and never be read."""
+        for stream_key, waiters in list(self._waiters.items()):
+            for waiter in waiters:
+                if waiter.last != START and not await reader.xrange(
+                        stream_key, waiter.last, waiter.last, count=1):
+                    logger.warning("%s lost events past %s; reading it again from the start",
+                                   stream_key, waiter.last)
+                    waiter.last = START
 
     async def _read_forever(self, reader: aioredis.Redis) -> None:
         while not self._is_stopping:

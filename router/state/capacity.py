@@ -36,6 +36,8 @@ class ReplicaLoad:
     num_steps: int = 0  # the engine's steps so far: a hung engine stops counting
     compute: str = ""  # the engine, device and dtype ("torch cpu bfloat16")
     node: str = ""  # where it runs: host (pod) / Ray node id
+    adapters: tuple[str, ...] = ()  # the LoRA adapters it holds loaded (at most max_loras)
+    model: str = ""  # the base model it serves (engine.served_model_name)
 
     @property
     def is_busy(self) -> bool:
@@ -44,6 +46,7 @@ class ReplicaLoad:
     @classmethod
     def from_json(cls, raw: bytes | str) -> ReplicaLoad:
         fields = json.loads(raw)
+        fields["adapters"] = tuple(fields.get("adapters", ()))
         return cls(**{k: v for k, v in fields.items() if k in cls.__dataclass_fields__})
 
     def to_json(self) -> str:
@@ -70,17 +73,26 @@ async def read_loads(client: aioredis.Redis) -> list[ReplicaLoad]:
 
 
 class CapacityView:
-    """Total replica slots, read at most once per ``refresh_s``."""
+    """Total replica slots, read at most once per ``refresh_s``; of the replicas of one
+    model (``model``, its served name) where given, else of all. A report that names no model
+    (a replica of an older version, during a rolling upgrade) counts for the default model
+    (``is_default``)."""
 
-    def __init__(self, client: aioredis.Redis, refresh_s: float = 0.25) -> None:
+    def __init__(self, client: aioredis.Redis, refresh_s: float = 0.25,
+                 model: str | None = None, is_default: bool = True) -> None:
         self.client = client
         self.refresh_s = refresh_s
+        self.model = model
+        self.is_default = is_default
         self._loads: list[ReplicaLoad] = []
         self._read_at = 0.0
 
     async def loads(self) -> list[ReplicaLoad]:
         if time.monotonic() - self._read_at >= self.refresh_s:
-            self._loads = await read_loads(self.client)
+            loads = await read_loads(self.client)
+            self._loads = loads if self.model is None else [
+                load for load in loads if load.model == self.model
+                or (not load.model and self.is_default)]
             self._read_at = time.monotonic()
         return self._loads
 

@@ -7,7 +7,9 @@ Layout (prefix ``fs``):
   ``fs:{t}:state`` (HASH: fair-share finish tag, GCRA theoretical arrival times, the open
   readers of each kind),
   ``fs:{t}:queue`` (LIST of request ids, head = next), ``fs:{t}:req:<id>`` (HASH, one request),
-  ``fs:{t}:stream:<id>`` (STREAM, one request's response events), ``fs:{t}:idem:<id>``
+  ``fs:{t}:stream:<id>`` (STREAM, one request's response events), ``fs:{t}:resp:<id>``
+  (STRING, a stored Responses API response and its conversation) and ``fs:{t}:resps`` (ZSET,
+  their index; ``router/state/responses.py``), ``fs:{t}:idem:<id>``
   (STRING, the body digest of a request sent with an Idempotency-Key), ``fs:{t}:budget:<day>``
   (STRING, tokens reserved or charged on one UTC day), ``fs:{t}:dead`` (ZSET of dead-lettered
   ids), ``fs:{t}:stats`` (HASH of counters);
@@ -21,9 +23,17 @@ Layout (prefix ``fs``):
   ``fs:{sched}:detached`` (ZSET ``"<tenant> <id>"`` -> when a request nobody reads is cancelled),
   ``fs:{sched}:readers`` (ZSET ``"<tenant> <id> <reader> <kind>"`` -> when the lease of a client
   reading a request's stream runs out unless its router renews it; ``router/state/readers.py``),
+  ``fs:{sched}:pools`` (SET of the pools other than the default with backlog or leases: at most
+  one per model the settings serve, dropped by the reaper once empty),
   ``fs:{sched}:replicas`` (ZSET replica id -> time of its last load report in ms),
   ``fs:{sched}:replica:<id>`` (STRING, the replica's last load report as JSON, with a TTL), and
   the pub/sub channel ``fs:{sched}:wake`` (admissions wake the dispatchers).
+
+Pools: each model the settings serve has its own queues (``router/state/scripts/_lib.lua``):
+the default model's pool is ``""`` and its keys are the ones above; another model's queue,
+ready sets, classes, leases and virtual times are those keys with ``:<pool>`` appended (the
+``state`` fields ``vfinish``, ``vclass`` and ``queued_cost`` likewise), so one model's backlog
+neither delays nor scales another's.
 
 NOTE: router/state/scripts.py writes these templates (``%s`` placeholders) and the TTLs below into
 the source of every Lua script as constants (``K``, and ``KP``: each template split at its
@@ -46,6 +56,8 @@ PREFIX = "fs"
 # never break out of its own hash tag or forge another tenant's key.
 TENANT_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+RESPONSE_ID_PATTERN = re.compile(r"^resp_[A-Za-z0-9]{1,64}$")  # POST /v1/responses' ids
+POOL_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # a model's queues: keys.queue
 
 # TTLs (seconds) of keys that outlive their request, and other named limits.
 STREAM_IDLE_TTL_S = 3600  # a response stream with no new event expires after this
@@ -64,6 +76,7 @@ READER_RETRY_MS = 1_000  # Retry-After of a request refused for its tenant's ope
 # token a request makes is written to every one of them, so without a cap one tenant's request
 # could take a router's CPU many times over (a retry and a resume or two is what a client needs)
 MAX_READERS_PER_REQUEST = 8
+MAX_ADAPTERS = 10_000  # LoRA adapters registered at run time (fs:adapters)
 STREAM_MAX_EVENTS = 100_000  # approximate cap (XADD MAXLEN ~) on one request's stream
 
 _TEMPLATES: dict[str, str] = {
@@ -93,6 +106,12 @@ _TEMPLATES: dict[str, str] = {
     "autoscaler": PREFIX + ":{sched}:autoscaler",
     "autoscaler_decisions": PREFIX + ":{sched}:autoscaler:decisions",
     "router_metrics": PREFIX + ":{sched}:metrics:%s",
+    "nodes": PREFIX + ":{sched}:nodes",
+    "router_node": PREFIX + ":{sched}:router:%s",
+    "adapters": PREFIX + ":adapters",
+    "pools": PREFIX + ":{sched}:pools",
+    "response": PREFIX + ":{%s}:resp:%s",
+    "responses": PREFIX + ":{%s}:resps",
 }
 
 # What every script is compiled with: the templates, and the TTLs and limits it applies.
@@ -106,6 +125,7 @@ SCRIPT_CONSTANTS: dict[str, str | int] = {
     "stream_max_events": STREAM_MAX_EVENTS,
     "reader_retry_ms": READER_RETRY_MS,
     "max_readers_per_request": MAX_READERS_PER_REQUEST,
+    "max_adapters": MAX_ADAPTERS,
 }
 
 
@@ -125,6 +145,15 @@ def check_tenant_id(tenant_id: str) -> str:
             param="tenant",
         )
     return tenant_id
+
+
+def check_pool(pool: str) -> str:
+    """A pool's name (a model's, as the settings name it): "" is the default model's."""
+    if not isinstance(pool, str) or (pool and not POOL_PATTERN.match(pool)):
+        raise InvalidRequestError(
+            f"invalid pool {pool!r}: 1-64 of A-Z, a-z, 0-9, '.', '_' and '-', starting with a "
+            "letter or digit", param="model")
+    return pool
 
 
 def check_request_id(request_id: str) -> str:
@@ -148,8 +177,12 @@ def state(tenant_id: str) -> str:
     return _TEMPLATES["state"] % check_tenant_id(tenant_id)
 
 
-def queue(tenant_id: str) -> str:
-    return _TEMPLATES["queue"] % check_tenant_id(tenant_id)
+def _in_pool(name: str, pool: str) -> str:
+    return name + ":" + check_pool(pool) if pool else name
+
+
+def queue(tenant_id: str, pool: str = "") -> str:
+    return _in_pool(_TEMPLATES["queue"] % check_tenant_id(tenant_id), pool)
 
 
 def request(tenant_id: str, request_id: str) -> str:
@@ -188,20 +221,34 @@ def api_key(digest_hex: str) -> str:
     return _TEMPLATES["api_key"] % digest_hex
 
 
-def classes() -> str:
-    return _TEMPLATES["classes"]
+def classes(pool: str = "") -> str:
+    return _in_pool(_TEMPLATES["classes"], pool)
 
 
-def ready(priority: int) -> str:
-    return _TEMPLATES["ready"] % priority
+def ready(priority: int, pool: str = "") -> str:
+    return _in_pool(_TEMPLATES["ready"] % priority, pool)
+
+
+def response(tenant_id: str, response_id: str) -> str:
+    """STRING: a stored response and its conversation (router/state/responses.py)."""
+    return _TEMPLATES["response"] % (check_tenant_id(tenant_id), response_id)
+
+
+def responses(tenant_id: str) -> str:
+    """ZSET: the tenant's stored responses by creation (ms), at most the settings' bound."""
+    return _TEMPLATES["responses"] % check_tenant_id(tenant_id)
+
+
+def pools() -> str:
+    return _TEMPLATES["pools"]
 
 
 def vtime() -> str:
     return _TEMPLATES["vtime"]
 
 
-def leases() -> str:
-    return _TEMPLATES["leases"]
+def leases(pool: str = "") -> str:
+    return _in_pool(_TEMPLATES["leases"], pool)
 
 
 def replicas() -> str:
@@ -216,14 +263,33 @@ def wake_channel() -> str:
     return _TEMPLATES["wake"]
 
 
-def autoscaler() -> str:
-    """The autoscaler's last decision with its inputs (JSON, expires)."""
-    return _TEMPLATES["autoscaler"]
+def autoscaler(pool: str = "") -> str:
+    """The autoscaler's last decision with its inputs (JSON, expires), of one model's
+    replicas (``pool``; "": the default model's)."""
+    # NOTE: ":model:" before the pool, so no model's name reaches the decisions' key
+    return _TEMPLATES["autoscaler"] + (":model:" + check_pool(pool) if pool else "")
 
 
-def autoscaler_decisions() -> str:
-    """HASH: the autoscaler's decisions counted by direction (up, down, hold)."""
-    return _TEMPLATES["autoscaler_decisions"]
+def nodes() -> str:
+    """The Ray nodes as a router last saw them (JSON, ``router/state/nodes.py``; expires)."""
+    return _TEMPLATES["nodes"]
+
+
+def adapters() -> str:
+    """HASH: the LoRA adapters added at run time, name -> JSON (``router/state/adapters.py``;
+    at most ``adapters.MAX_ADAPTERS``; kept until removed)."""
+    return _TEMPLATES["adapters"]
+
+
+def router_node(holder: str) -> str:
+    """Where a router runs (its host or pod and Ray node; expires with ``nodes.TTL_S``)."""
+    return _TEMPLATES["router_node"] % holder
+
+
+def autoscaler_decisions(pool: str = "") -> str:
+    """HASH: the autoscaler's decisions counted by direction (up, down, hold), of one
+    model's replicas."""
+    return _in_pool(_TEMPLATES["autoscaler_decisions"], pool)
 
 
 def metrics_routers() -> str:

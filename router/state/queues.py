@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from dataclasses import replace
 from typing import Any, NoReturn, cast
 
 from router.config import QueueSettings
@@ -54,6 +55,7 @@ from router.errors import (
     RequestTooLargeError,
     RouterError,
     StoredDataError,
+    StreamGapError,
 )
 from router.messages import (
     Admission,
@@ -70,6 +72,7 @@ from router.messages import (
     TenantBacklog,
 )
 from router.state import keys
+from router.state.adapters import model_not_found
 from router.state.scripts import Script, Scripts
 
 logger = logging.getLogger(__name__)
@@ -147,20 +150,23 @@ class TenantQueues:
         return (request.tenant_id, request.request_id, request.prompt_tokens, request.max_tokens,
                 expected, request.body, request.meta, self.settings.queue_full_retry_after_ms,
                 request.num_choices, reader.reader_id if reader else "",
-                request.reader_lease_end_ms, "1" if request.is_idempotent else "")
+                request.reader_lease_end_ms, "1" if request.is_idempotent else "",
+                request.model, keys.check_pool(request.pool))
 
     # ---- grants and leases ----
 
     async def grant(self, holder: str, free_slots: int, max_grants: int | None = None,
-                    capacity: int | None = None) -> GrantBatch:
-        """Up to ``min(free_slots, max_grants)`` requests, each leased to ``holder``; with
-        ``capacity`` (the slots of all replicas) also no more than ``capacity`` minus the leases
-        live in the whole cluster, counted atomically with the grant."""
+                    capacity: int | None = None, pool: str = "") -> GrantBatch:
+        """Up to ``min(free_slots, max_grants)`` requests of ``pool`` (a model's queues; "":
+        the default model's), each leased to ``holder``; with ``capacity`` (the slots of the
+        pool's replicas) also no more than ``capacity`` minus the pool's leases live in the
+        whole cluster, counted atomically with the grant."""
         if free_slots <= 0:
             return GrantBatch([], [])
         limit = max_grants or self.settings.max_grants_per_call
         reply = await self.scripts.run(Script.GRANT, holder, self.settings.lease_ms, free_slots,
-                                       limit, "" if capacity is None else capacity)
+                                       limit, "" if capacity is None else capacity,
+                                       keys.check_pool(pool))
         grants = [_grant(holder, g) for g in reply[0]]
         warnings = [w.decode() for w in reply[1]]
         if warnings:
@@ -180,13 +186,20 @@ class TenantQueues:
         finish_reason: str,
         final_event: str = "{}",
         outcome: RequestState = RequestState.COMPLETED,
+        must_hold: int | None = None,
     ) -> int:
         """Acknowledge and settle; returns the tokens refunded (negative: charged beyond the
-        reservation). ``final_event`` is the data of the stream's terminal ``end`` event."""
+        reservation). ``final_event`` is the data of the stream's terminal ``end`` event.
+        ``must_hold``: the output tokens the response stream must hold, else nothing changes and
+        ``StreamGapError`` is raised (a Redis failover lost its last chunks)."""
         args = self._complete_args(lease, prompt_tokens_used, output_tokens_used, finish_reason,
-                                   final_event, outcome)
+                                   final_event, outcome, must_hold)
         (reply,) = await self.scripts.run(Script.COMPLETE, 1, *args)
         _check_lease(lease, reply)
+        if reply[0] == b"gap":
+            raise StreamGapError(f"the response stream of {lease.request_id!r} holds "
+                                 f"{int(reply[1])} of its {must_hold} output tokens (a Redis "
+                                 f"failover lost the rest)", param="request_id")
         return int(reply[1])
 
     async def complete_many(self, calls: list[tuple[Lease, int, int, str]]) -> list[int | None]:
@@ -203,11 +216,12 @@ class TenantQueues:
 
     @staticmethod
     def _complete_args(lease: Lease, prompt_used: int, output_used: int, finish_reason: str,
-                       final_event: str, outcome: RequestState) -> tuple[Any, ...]:
+                       final_event: str, outcome: RequestState, must_hold: int | None = None
+                       ) -> tuple[Any, ...]:
         if outcome not in (RequestState.COMPLETED, RequestState.CANCELLED):
             raise ValueError(f"a holder completes as completed or cancelled, not {outcome}")
         return (*_lease_args(lease), outcome.value, int(prompt_used), int(output_used),
-                finish_reason, final_event)
+                finish_reason, final_event, -1 if must_hold is None else int(must_hold))
 
     async def requeue(self, lease: Lease, reason: str, is_holder_stopping: bool = False
                       ) -> RequestState:
@@ -293,21 +307,32 @@ class TenantQueues:
             raise NotFoundError(f"no request {request_id!r}", param="request_id")
         return _record(tenant_id, request_id, fields)
 
-    async def queued_ids(self, tenant_id: str) -> list[str]:
-        ids = cast(list[bytes], await self.client.lrange(keys.queue(tenant_id), 0, -1))
+    async def queued_ids(self, tenant_id: str, pool: str = "") -> list[str]:
+        ids = cast(list[bytes], await self.client.lrange(keys.queue(tenant_id, pool), 0, -1))
         return [m.decode() for m in ids]
 
-    async def depth(self, tenant_id: str) -> int:
-        return int(await self.client.llen(keys.queue(tenant_id)))
+    async def depth(self, tenant_id: str, pool: str = "") -> int:
+        return int(await self.client.llen(keys.queue(tenant_id, pool)))
 
-    async def num_leased(self) -> int:
-        return int(await self.client.zcard(keys.leases()))
+    async def num_leased(self, pool: str = "") -> int:
+        return int(await self.client.zcard(keys.leases(pool)))
 
-    async def backlog(self) -> list[TenantBacklog]:
-        """Per tenant: queued requests and their token cost, and leased (running) requests."""
-        rows = await self.scripts.run(Script.BACKLOG)
-        return [TenantBacklog(r[0].decode(), int(r[1]), int(r[2]), int(r[3]), int(r[4]))
-                for r in rows]
+    async def backlog(self, by_pool: bool = False) -> list[TenantBacklog]:
+        """Per tenant: queued requests and their token cost, and leased (running) requests,
+        over all pools (``pool`` None); ``by_pool``: per tenant and pool instead (the default
+        pool's row for every tenant, another's where the tenant has something in it)."""
+        rows = [TenantBacklog(r[0].decode(), int(r[2]), int(r[3]), int(r[4]), int(r[5]),
+                              r[1].decode()) for r in await self.scripts.run(Script.BACKLOG)]
+        if by_pool:
+            return rows
+        total: dict[str, TenantBacklog] = {}
+        for row in rows:
+            seen = total.get(row.tenant_id)
+            total[row.tenant_id] = replace(row, pool=None) if seen is None else replace(
+                seen, num_queued=seen.num_queued + row.num_queued,
+                queued_tokens=seen.queued_tokens + row.queued_tokens,
+                num_leased=seen.num_leased + row.num_leased)
+        return list(total.values())
 
 
 def _lease_args(lease: Lease) -> tuple[str, str, str, str]:
@@ -340,6 +365,8 @@ def _admission(request: AdmitRequest, reply: list[Any]) -> Admission:
             f"request id {request.request_id!r} (an Idempotency-Key) was already used for a "
             "different request", param="Idempotency-Key",
         )
+    if verdict == "model":
+        raise model_not_found(request.model)
     reason = reply[1].decode()
     if verdict == "too_large":
         limit = int(reply[2])

@@ -44,6 +44,7 @@ class Script(enum.StrEnum):
     KEY_REVOKE = "key_revoke"
     BACKLOG = "backlog"
     READERS = "readers"
+    ADAPTER_PUT = "adapter_put"
 
 
 def _lua_constants(overrides: dict[str, str | int] | None = None) -> str:

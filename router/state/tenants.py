@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from router.errors import ConflictError, InvalidRequestError, NotFoundError, StoredDataError
 from router.state import keys
+from router.state.adapters import NAME as MODEL_NAME
 from router.state.api_keys import KEY_ID_HEX_CHARS, ApiKeys
 from router.state.scripts import Script, Scripts
 
@@ -86,6 +87,9 @@ class Tenant(BaseModel):
         "what another in the group sent recently, from cached_tokens); none: the tenant's own "
         "partition, which no other tenant can probe")
     disabled: bool = Field(False, description="refuse new requests (queued ones still run)")
+    models: list[str] | None = Field(
+        None, max_length=256, description="the models (the base model, LoRA adapters) the tenant "
+        "may use; any other is a 404 model_not_found; none: every model it can see")
 
     @field_validator("id")
     @classmethod
@@ -94,6 +98,14 @@ class Tenant(BaseModel):
             return keys.check_tenant_id(value)
         except InvalidRequestError as exc:
             raise ValueError(exc.message) from None
+
+    @field_validator("models")
+    @classmethod
+    def _check_models(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not all(MODEL_NAME.match(m) for m in value):
+            raise ValueError("model names: letters, digits and ._:/- (at most 128, starting "
+                             "with a letter or digit)")
+        return value
 
     @field_validator("cache_group")
     @classmethod
@@ -111,6 +123,8 @@ class Tenant(BaseModel):
                 continue
             if isinstance(value, bool):
                 fields[name] = "1" if value else "0"
+            elif isinstance(value, list):  # models: comma-separated, as admit.lua reads them
+                fields[name] = ",".join(value)
             else:
                 fields[name] = value if isinstance(value, str) else repr(value)
         return fields
@@ -126,6 +140,8 @@ class Tenant(BaseModel):
             if raw["disabled"] not in ("0", "1"):
                 raise StoredDataError(f"malformed tenant settings in {where}: disabled")
             raw["disabled"] = raw["disabled"] == "1"
+        if "models" in raw:
+            raw["models"] = [m for m in raw["models"].split(",") if m]
         try:
             return cls(id=tenant_id, **raw)
         except ValidationError as exc:

@@ -33,11 +33,14 @@ from prometheus_client.core import (
 from router.messages import TenantBacklog
 from router.state import keys
 from router.state.capacity import ReplicaLoad
+from router.state.nodes import NodeCounts
 
 logger = logging.getLogger(__name__)
 
 SNAPSHOT_S = 2.0
 SNAPSHOT_TTL_S = 30
+MAX_MODEL_LABELS = 64  # distinct `model` label values per router (adapters may be thousands)
+OTHER_MODEL = "other"
 UNKNOWN_TENANT = "-"
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -64,9 +67,13 @@ SPECS = {spec.name: spec for spec in (
     MetricSpec("fairserve_cached_prompt_tokens_per_request", "prompt tokens the prefix cache "
                "served, per ended request", ("tenant",), _TOKEN_BUCKETS),
     MetricSpec("fairserve_migrations", "requests moved to another replica mid-way, by why: "
-               "replica_unavailable, stalled, stream_ended_early (router/dispatch/relay.py)",
+               "replica_unavailable, stalled, stream_ended_early, redis_unavailable, stream_gap "
+               "(router/dispatch/relay.py)",
                ("tenant", "reason")),
     MetricSpec("fairserve_output_tokens", "output tokens sent", ("tenant",)),
+    MetricSpec("fairserve_model_requests", "requests admitted by the model they named: the "
+               "base model or a LoRA adapter (the first MAX_MODEL_LABELS names a router sees, "
+               "then `other`)", ("model",)),
     MetricSpec("fairserve_queue_time_seconds", "time in the tenant queue, admission to grant",
                ("tenant",), _LATENCY_BUCKETS_S),
     MetricSpec("fairserve_engine_queue_time_seconds", "time in the engine's waiting queue",
@@ -100,6 +107,15 @@ class MetricsStore:
 
     counters: dict[tuple[str, tuple[str, ...]], float] = field(default_factory=dict)
     histograms: dict[tuple[str, tuple[str, ...]], _Histogram] = field(default_factory=dict)
+    models_labelled: set[str] = field(default_factory=set)
+
+    def model_label(self, model: str) -> str:
+        """``model`` as a label value, or ``other`` once ``MAX_MODEL_LABELS`` are in use."""
+        seen = self.models_labelled
+        if model in seen or len(seen) < MAX_MODEL_LABELS:
+            seen.add(model)
+            return model
+        return OTHER_MODEL
 
     def inc(self, name: str, labels: tuple[str, ...], by: float = 1.0) -> None:
         key = (name, labels)
@@ -179,6 +195,7 @@ class ClusterState:
     autoscaler: dict[str, Any] | None = None  # its last decision with inputs (cluster/autoscaling)
     scaling_decisions: dict[str, int] = field(default_factory=dict)  # by direction
     redis_memory: tuple[int, int] | None = None  # Redis's used_memory and maxmemory (0: none)
+    nodes: NodeCounts | None = None  # Ray's nodes, as a router last saw them
 
 
 def cluster_families(state: ClusterState) -> Iterator[Metric]:
@@ -222,6 +239,13 @@ def cluster_families(state: ClusterState) -> Iterator[Metric]:
                                 value=used_bytes)
         yield GaugeMetricFamily("fairserve_redis_maxmemory_bytes", "Redis's maxmemory (0: none)",
                                 value=max_bytes)
+    if state.nodes is not None:
+        ray_nodes = GaugeMetricFamily("fairserve_ray_nodes", "Ray nodes: alive, lost (died "
+                                      "unasked: a crash, a pod or VM gone) and removed (on "
+                                      "purpose)", labels=("state",))
+        for name in ("alive", "lost", "removed"):
+            ray_nodes.add_metric([name], getattr(state.nodes, name))
+        yield ray_nodes
     yield from _autoscaler_families(state)
 
 

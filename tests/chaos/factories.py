@@ -90,6 +90,7 @@ class StreamResult:
     usage: dict[str, Any] | None = None
     num_done: int = 0
     status: int = 0
+    request_id: str | None = None
 
 
 async def stream_chat(client: httpx.AsyncClient, base: str, key: str, body: dict[str, Any],
@@ -99,6 +100,7 @@ async def stream_chat(client: httpx.AsyncClient, base: str, key: str, body: dict
                              headers={"Authorization": f"Bearer {key}", **(headers or {})}
                              ) as response:
         result.status = response.status_code
+        result.request_id = response.headers.get("x-fairserve-request-id")
         async for line in response.aiter_lines():
             if line.startswith("id:"):
                 result.event_ids.append(line[3:].strip())
@@ -186,6 +188,11 @@ def _take(result: StreamResult, payload: str) -> None:
         result.text += choice.get("delta", {}).get("content") or ""
         if choice.get("finish_reason"):
             result.finish_reasons.append(choice["finish_reason"])
+
+
+def unstreamed(body: dict[str, Any]) -> dict[str, Any]:
+    """A streaming request's body as a plain one (no ``stream_options``)."""
+    return {k: v for k, v in body.items() if k != "stream_options"}
 
 
 def rss_mb(pid: int) -> float:

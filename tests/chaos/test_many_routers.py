@@ -38,7 +38,7 @@ def settings() -> dict[str, Any]:
         "engine": {"num_threads": 1, "max_num_seqs": NUM_STREAMS},
         "replicas": {"num_replicas": 1, "num_cpus": 0.5, "max_ongoing_requests": NUM_STREAMS},
         "router": {"num_replicas": NUM_ROUTERS, "num_cpus": 0.25,
-                   "api": {"detach_grace_s": 120}, "dispatch": {"reap_s": 0.5}},
+                   "api": {"detach_grace_s": 120}, "dispatch": {"reap_s": 0.5, "renew_s": 1.0}},
         "queues": {"lease_ms": 3000},  # a dead router's requests come back within seconds
     }
 
@@ -60,8 +60,10 @@ async def references(base: str, key: str) -> list[str]:
     async with httpx.AsyncClient(timeout=300) as client:
         await asyncio.gather(*(stream_chat(client, base, key, body, result)
                                for body, result in zip(bodies(), results, strict=True)))
-    for result in results:
-        assert not result.errors and result.num_done == 1, result.errors
+    for i, result in enumerate(results):  # the uninterrupted run itself is whole
+        assert not result.errors and result.num_done == 1, (i, result.errors)
+        assert result.finish_reasons == ["length"], (i, result.event_ids, result.events)
+        assert result.usage and result.usage["completion_tokens"] == MAX_TOKENS, (i, result)
     return [result.text for result in results]
 
 

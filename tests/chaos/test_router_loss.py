@@ -32,7 +32,7 @@ def settings() -> dict:
         "replicas": {"num_replicas": 2, "num_cpus": 0.5, "max_ongoing_requests": NUM_STREAMS},
         "router": {"num_replicas": 1, "num_cpus": 0.25,
                    "api": {"detach_grace_s": 120},
-                   "dispatch": {"reap_s": 0.5}},
+                   "dispatch": {"reap_s": 0.5, "renew_s": 1.0}},
         "queues": {"lease_ms": 3000},  # a dead router's requests come back within seconds
     }
 

@@ -119,8 +119,11 @@ def test_the_ray_policy_reads_the_backlog_from_redis_and_records_its_decision(
             for i in range(10):
                 await h.queues.admit(make_request("a", f"a{i}", prompt_tokens=100, max_tokens=200))
             await h.queues.admit(make_request("b", "b0", prompt_tokens=100, max_tokens=200))
+            for i in range(5):  # another model's: its own deployment scales on them
+                await h.queues.admit(make_request("a", f"big{i}", prompt_tokens=100,
+                                                  max_tokens=200, pool="big"))
 
-    run(admit())  # 11 requests x 300 tokens = 3,300 queued tokens
+    run(admit())  # 11 requests x 300 tokens = 3,300 queued tokens (and 1,500 of "big")
     settings = AutoscaleSettings(min_replicas=0, max_replicas=4, allow_scale_to_zero=True,
                                  target_drain_s=10.0, initial_tokens_per_s=100.0)
     policy = BacklogPolicy(redis_server.url, settings.model_dump())
@@ -130,6 +133,9 @@ def test_the_ray_policy_reads_the_backlog_from_redis_and_records_its_decision(
     assert record["queued_tokens"] == 3300 and record["queued_requests"] == 11
     assert record["decision_replicas"] == 4 and record["decision_reason"].startswith("scale from")
     assert redis_client.hget(keys.autoscaler_decisions(), "up") == b"1"
+    BacklogPolicy(redis_server.url, settings.model_dump(), pool="big")(_context(0, 0, {}, {}))
+    record = json.loads(redis_client.get(keys.autoscaler("big")))
+    assert record["queued_tokens"] == 1500 and record["queued_requests"] == 5
 
     metrics = {"inflight_tokens": {}, "tokens_per_s": {}}
     config = autoscaling_config(settings, redis_server.url)

@@ -34,6 +34,9 @@ def test_up_prints_a_working_key_and_url_then_status_and_down(tmp_path) -> None:
         assert "replicas: 1 on 1 node(s)" in status.stdout and "demo" in status.stdout
         assert f"{socket.gethostname()}/" in status.stdout  # where the replica runs
         assert "redis: primary, 0 replica(s)" in status.stdout
+        assert "ray nodes: 1 alive, 0 lost, 0 removed" in status.stdout  # the routers publish
+        assert re.search(r"routers: 1\n  router-\S+ +" + re.escape(socket.gethostname()) + "/",
+                         status.stdout), status.stdout
         down = up.cli("down", "--state-dir", str(tmp_path))
         assert down.returncode == 0 and "stopped" in down.stdout, down.stdout + down.stderr
         assert up.process.wait(timeout=60) == 0

@@ -110,3 +110,12 @@ def test_the_redis_password_joins_the_url_and_never_shows(tmp_path, monkeypatch)
     s = load_settings(redis={"url": "redis://queues:6379/0"})
     assert s.redis.url_with_password() == "redis://:from-env@queues:6379/0"
     assert "from-env" not in repr(s) and "from-env" not in s.model_dump_json()
+
+
+def test_a_lease_shorter_than_three_renewals_is_refused() -> None:
+    """Renewed every 3 s, a 3 s lease lapses whenever a renewal is late: busy routers lost
+    their requests mid-stream (tests/chaos/test_many_routers.py found it)."""
+    with pytest.raises(ValidationError, match=r"router.dispatch.renew_s \(3\).*at most 1\b"):
+        load_settings(queues={"lease_ms": 3000})
+    settings = load_settings(queues={"lease_ms": 3000}, router={"dispatch": {"renew_s": 1}})
+    assert settings.router.dispatch.renew_s == 1

@@ -103,19 +103,24 @@ def test_list_shows_a_table_with_unlimited_as_dash_and_key_counts(redis_url, cap
     assert tenants(redis_url, "list") == 0
     assert "no tenants" in capsys.readouterr().out
     tenants(redis_url, "add", "beta", "--rpm", "60", "--disabled")
-    tenants(redis_url, "add", "acme", "--weight", "2", "--tpm", "5000")
+    tenants(redis_url, "add", "acme", "--weight", "2", "--tpm", "5000",
+            "--models", "SmolLM2-135M-Instruct,acme/support")
     tenants(redis_url, "key-create", "acme")
     tenants(redis_url, "key-create", "acme")
     capsys.readouterr()
     assert tenants(redis_url, "list") == 0
     header, *rows = [line.split() for line in capsys.readouterr().out.strip().splitlines()]
     assert header == ["id", "weight", "priority", "rpm", "tpm", "daily_tokens", "max_tokens",
-                      "max_queued", "max_streams", "max_resumes", "cache_group", "disabled",
-                      "keys"]
+                      "max_queued", "max_streams", "max_resumes", "cache_group", "models",
+                      "disabled", "keys"]
     assert rows == [
-        ["acme", "2", "0", "-", "5000", "-", "4096", "1000", "512", "64", "-", "no", "2"],
-        ["beta", "1", "0", "60", "-", "-", "4096", "1000", "512", "64", "-", "yes", "0"],
+        ["acme", "2", "0", "-", "5000", "-", "4096", "1000", "512", "64", "-",
+         "SmolLM2-135M-Instruct,acme/support", "no", "2"],
+        ["beta", "1", "0", "60", "-", "-", "4096", "1000", "512", "64", "-", "-", "yes", "0"],
     ]
+    assert stored(redis_url, "acme").models == ["SmolLM2-135M-Instruct", "acme/support"]
+    assert tenants(redis_url, "set", "acme", "--models", "none") == 0
+    assert stored(redis_url, "acme").models is None
 
 
 def test_list_json_is_a_list_of_settings_with_key_counts(redis_url, capsys) -> None:
@@ -126,7 +131,7 @@ def test_list_json_is_a_list_of_settings_with_key_counts(redis_url, capsys) -> N
     assert json.loads(capsys.readouterr().out) == [{
         "id": "acme", "weight": 1.0, "priority": 0, "rpm": 60, "tpm": None, "daily_tokens": None,
         "max_tokens": 4096, "max_queued": 1000, "max_streams": 512, "max_resumes": 64,
-        "cache_group": None, "disabled": False, "num_keys": 1,
+        "cache_group": None, "models": None, "disabled": False, "num_keys": 1,
     }]
 
 

@@ -159,7 +159,7 @@ def test_tenant_over_its_quota_gets_429_with_retry_after(e2e: E2ECluster) -> Non
 
 
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "bogus"}, "tool_choice"),
     ({"best_of": 2}, "best_of"),
     ({"frequency_penalty": 2.5}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),

@@ -49,10 +49,12 @@ def _built_deployments(settings: dict[str, Any]) -> dict[str, Any]:
     from ray.serve.deployment import Application
 
     loaded = load_settings(**settings)
-    app = build_app(loaded, ModelInfo("m", 2048, 2048, {}), loaded.redis.url or "")
+    infos = [ModelInfo(m.name, 2048, 2048, {}) for m in loaded.served_models()]
+    app = build_app(loaded, infos, loaded.redis.url or "")
     router = app._bound_deployment
-    (replica,) = [a._bound_deployment for a in router.init_args if isinstance(a, Application)]
-    return {router.name: router, replica.name: replica}
+    replicas = [m.replicas._bound_deployment for m in router.init_args[0]]
+    assert all(isinstance(m.replicas, Application) for m in router.init_args[0])
+    return {router.name: router, **{r.name: r for r in replicas}}
 
 
 def _same(rendered: Any, built: Any, where: str) -> None:
@@ -70,6 +72,7 @@ def _same(rendered: Any, built: Any, where: str) -> None:
 def test_deployment_options_are_what_build_app_sets_from_the_same_settings(name: str) -> None:
     (app,) = serve_config(render(values_of(name)))["applications"]
     built = _built_deployments(app["args"]["settings"])
+    assert {d["name"] for d in app["deployments"]} == set(built)  # every model's, no other
     for options in app["deployments"]:
         deployment = built[options["name"]]
         config = deployment._deployment_config
@@ -113,3 +116,16 @@ def test_the_rendered_config_deployed_on_local_ray_serves_a_chat_completion(tmp_
     assert result["status"].endswith("RUNNING"), result
     assert result["code"] == 200, result
     assert "Paris" in result["body"]["choices"][0]["message"]["content"]
+
+
+def test_each_model_gets_its_device_its_placement_and_the_default_replicas_it_leaves_out() -> None:
+    (app,) = serve_config(render(values_of("models")))["applications"]
+    settings = load_settings(**app["args"]["settings"])
+    default, second = settings.served_models()
+    assert (second.name, second.aliases, second.engine.device) == (
+        "SmolLM2-135M-Instruct-bf16", ("precise",), "cpu")
+    assert dict(second.replicas.resources) == {"fairserve_model": 1}
+    assert second.replicas.autoscaling.allow_scale_to_zero  # its own
+    assert second.replicas.max_ongoing_requests == default.replicas.max_ongoing_requests
+    names = [d["name"] for d in app["deployments"]]
+    assert names == ["Router", "ModelReplica", "ModelReplica-SmolLM2-135M-Instruct-bf16"]

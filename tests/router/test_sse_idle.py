@@ -17,7 +17,7 @@ from typing import Any
 from router.api.routes import _reply
 from router.api.shaper import Shape
 from router.dispatch.response_events import ChunkData
-from router.dispatch.streams import START
+from router.dispatch.streams import ReadPoint
 from router.errors import StreamIdleError
 from router.messages import Reader, ReaderKind
 from router.telemetry.metrics import MetricsStore
@@ -29,7 +29,10 @@ class IdleService:
         self.detached: list[Reader] = []
         self.tokenizer = SimpleNamespace(piece=str)
 
-    async def event_batches(self, tenant_id: str, request_id: str, after: str
+    def model_named(self, name: str) -> Any:
+        return self
+
+    async def event_batches(self, tenant_id: str, request_id: str, point: ReadPoint
                             ) -> AsyncIterator[list[tuple[str, Any]]]:
         yield [("1-0", ChunkData("Hi", 1, None, 0, None, [5], 1))]
         raise StreamIdleError(f"request {request_id!r} sent nothing for 600 s",
@@ -47,7 +50,7 @@ def test_an_idle_stream_says_so_and_detaches() -> None:
         observer = RequestObserver(metrics, None)
         observer.tenant = "acme"
         response = await _reply(service, reader,  # type: ignore[arg-type]
-                                Shape("chatcmpl-1", True, "m", 1, 3), observer, True, START)
+                                Shape("chatcmpl-1", True, "m", 1, 3), observer, True, ReadPoint())
         sent: list[dict[str, Any]] = []
 
         async def receive() -> dict[str, Any]:

@@ -157,6 +157,13 @@ fairserve-replica {{ $auth.replicaPasswordKey }}
 {{- if .Values.model.cacheDir -}}{{- $_ := set $engine "model_cache_dir" .Values.model.cacheDir -}}{{- end -}}
 {{- $_ := set $engine "device" (ternary "cuda" "cpu" (gt (float64 $s.replicas.num_gpus) 0.0)) -}}
 {{- $_ := set $s.replicas "resources" (dict "fairserve_model" 1) -}}
+{{- range $s.models -}}
+{{- /* what a model's replicas leave out is the default model's (fairserve.replicas) */ -}}
+{{- $_ := set . "replicas" (merge (deepCopy (.replicas | default dict)) (deepCopy $s.replicas)) -}}
+{{- if not .engine.model -}}{{- $_ := unset .engine "model" -}}{{- end -}}
+{{- $_ := set .engine "device" (ternary "cuda" "cpu" (gt (float64 .replicas.num_gpus) 0.0)) -}}
+{{- $_ := set .replicas "resources" (dict "fairserve_model" 1) -}}
+{{- end -}}
 {{- $_ := set $s.router "resources" (dict "fairserve_router" 1) -}}
 {{- $_ := set $s.router "host" "0.0.0.0" -}}
 {{- $_ := set $s.router "port" 8000 -}}

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
-OPS = ("rms_norm", "add_rms_norm", "silu_mul", "paged_attention")
+OPS = ("rms_norm", "add_rms_norm", "silu_mul", "paged_attention", "lora_apply")
 BUILD_LOCK_TIMEOUT_S = 600.0  # another process building longer than this is stuck
 BUILD_LOCK_POLL_S = 0.2
 

@@ -1,5 +1,6 @@
-// fairserve's CPU kernels: RMSNorm (with the residual add), SiLU-and-multiply, and paged
-// attention with rotary embedding and the KV-cache write, registered as torch.ops.fairserve.*.
+// fairserve's CPU kernels: RMSNorm (with the residual add), SiLU-and-multiply, paged
+// attention with rotary embedding and the KV-cache write, and LoRA's grouped update,
+// registered as torch.ops.fairserve.*.
 //
 // NOTE: row invariance. Every output row here is computed by one thread, by the same loops, from
 // that row's inputs alone (and, for attention, the cached keys and values of its own sequence):
@@ -70,6 +71,15 @@ inline vf load_vec(const c10::BFloat16* p) {
   return (vf)(__builtin_convertvector(half, vu32) << 16);
 }
 inline void store_vec(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+// float32 to bfloat16 rounding to nearest even, as c10::BFloat16's constructor does (NaN aside:
+// no NaN reaches here)
+inline void store_vec(c10::BFloat16* p, vf v) {
+  vu32 bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  bits += ((bits >> 16) & 1u) + 0x7FFFu;
+  const vu16 half = __builtin_convertvector(bits >> 16, vu16);
+  std::memcpy(p, &half, sizeof(half));
+}
 
 inline float sum_vec(vf v) {
   float lanes[kLanes];
@@ -376,6 +386,147 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& positions,
   return out;
 }
 
+// ---- LoRA ---------------------------------------------------------------------------------------
+
+// One adapter's weights for one projection: A (M r, in: its M modules' A one under the other,
+// each row one rank's) and B (r, out: the modules' B side by side, as their columns tile the
+// output).
+template <typename WT>
+struct LoraWeights {
+  const WT* a = nullptr;
+  const WT* b = nullptr;
+  int64_t rank = 0;
+};
+
+// kBlocks x 16 columns of y += sum over k of h[k] * b[k][c], the sums held in registers
+template <int64_t kBlocks, typename XT, typename WT>
+inline void expand_block(XT* yr, const float* h, const WT* b, int64_t out, int64_t rank) {
+  vf s[kBlocks] = {};
+  for (int64_t k = 0; k < rank; ++k) {
+    const WT* br = b + k * out;
+#pragma GCC unroll 4
+    for (int64_t v = 0; v < kBlocks; ++v) s[v] += h[k] * load_vec(br + v * kLanes);
+  }
+#pragma GCC unroll 4
+  for (int64_t v = 0; v < kBlocks; ++v) {
+    store_vec(yr + v * kLanes, load_vec(yr + v * kLanes) + s[v]);
+  }
+}
+
+template <typename XT, typename WT>
+void lora_row(XT* yr, const XT* xr, const LoraWeights<WT>& w, const int64_t* start,
+              int64_t in, int64_t out, int64_t modules, float* xf, float* h) {
+  const int64_t rank = w.rank, mr = modules * rank;
+  for (int64_t d = 0; d < in; ++d) xf[d] = load(xr[d]);
+  // shrink: h[j] = x . A[j], four rows of A at a time (four sums in flight)
+  int64_t j = 0;
+  for (; j + 4 <= mr; j += 4) {
+    const WT* r0 = w.a + j * in;
+    vf s0 = {}, s1 = {}, s2 = {}, s3 = {};
+    int64_t d = 0;
+    for (; d + kLanes <= in; d += kLanes) {
+      const vf xv = load_vec(xf + d);
+      s0 += xv * load_vec(r0 + d);
+      s1 += xv * load_vec(r0 + in + d);
+      s2 += xv * load_vec(r0 + 2 * in + d);
+      s3 += xv * load_vec(r0 + 3 * in + d);
+    }
+    float t[4] = {0.f, 0.f, 0.f, 0.f};
+    for (; d < in; ++d) {
+      for (int64_t q = 0; q < 4; ++q) t[q] += xf[d] * load(r0[q * in + d]);
+    }
+    h[j] = sum_vec(s0) + t[0];
+    h[j + 1] = sum_vec(s1) + t[1];
+    h[j + 2] = sum_vec(s2) + t[2];
+    h[j + 3] = sum_vec(s3) + t[3];
+  }
+  for (; j < mr; ++j) h[j] = dot(xf, w.a + j * in, in);
+  // expand: each module's columns, 64 at a time, then the rest one by one
+  for (int64_t m = 0; m < modules; ++m) {
+    const float* hm = h + m * rank;
+    int64_t c = start[m];
+    const int64_t c1 = start[m + 1];
+    for (; c + 4 * kLanes <= c1; c += 4 * kLanes) expand_block<4>(yr + c, hm, w.b + c, out, rank);
+    for (; c + kLanes <= c1; c += kLanes) expand_block<1>(yr + c, hm, w.b + c, out, rank);
+    for (; c < c1; ++c) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < rank; ++k) sum += hm[k] * load(w.b[k * out + c]);
+      yr[c] = store<XT>(load(yr[c]) + sum);
+    }
+  }
+}
+
+template <typename XT, typename WT>
+void lora_rows(XT* ys, const XT* xs, const int64_t* row, const int64_t* slot,
+               const std::vector<LoraWeights<WT>>& weights, const int64_t* start, int64_t n,
+               int64_t in, int64_t out, int64_t modules) {
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(in), h;
+    for (int64_t i = begin; i < end; ++i) {
+      const LoraWeights<WT>& w = weights[slot[i]];
+      if (w.rank == 0) continue;  // this adapter leaves the projection alone
+      h.resize(modules * w.rank);
+      lora_row(ys + row[i] * out, xs + row[i] * in, w, start, in, out, modules, xf.data(),
+               h.data());
+    }
+  });
+}
+
+template <typename WT>
+std::vector<LoraWeights<WT>> lora_weights(const std::vector<at::Tensor>& a,
+                                          const std::vector<at::Tensor>& b, int64_t in,
+                                          int64_t out, int64_t modules) {
+  std::vector<LoraWeights<WT>> weights(a.size());
+  for (size_t s = 0; s < a.size(); ++s) {
+    if (a[s].numel() == 0) continue;
+    const int64_t rank = b[s].size(0);
+    TORCH_CHECK(a[s].dim() == 2 && b[s].dim() == 2 && a[s].is_contiguous() &&
+                    b[s].is_contiguous() && a[s].size(1) == in &&
+                    a[s].size(0) == modules * rank && b[s].size(1) == out,
+                "lora_apply: adapter ", s, ": a (M r, in) and b (r, out), contiguous");
+    weights[s] = {a[s].data_ptr<WT>(), b[s].data_ptr<WT>(), rank};
+  }
+  return weights;
+}
+
+// y[rows[i]] += the LoRA update of adapter slots[i] of that row of x, in place, for one
+// projection: h = x_row A_s, then each module j adds h[j r .. (j + 1) r) B_s[:, starts[j] ..
+// starts[j + 1]) to its own columns (an empty A: the adapter leaves the projection alone).
+// The weights are in the model's dtype (a decode step is bound by the bytes it reads: in
+// bfloat16, half of float32's), any rank; the arithmetic is float32 and the row's update is
+// added to y with one rounding. Every row by the same loops from its own inputs (row
+// invariance, as above); the rows come grouped by adapter, so an adapter's weights are read
+// from memory once for all its rows (Punica's SGMV, on a CPU).
+at::Tensor lora_apply(at::Tensor y, const at::Tensor& x, const at::Tensor& rows,
+                      const at::Tensor& slots, at::TensorList a, at::TensorList b,
+                      const at::Tensor& starts) {
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.is_contiguous() && y.is_contiguous() &&
+                  x.size(0) == y.size(0) && x.scalar_type() == y.scalar_type(),
+              "lora_apply: x (rows, in) and y (rows, out) contiguous, of one dtype");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
+                  starts.scalar_type() == at::kLong && rows.numel() == slots.numel() &&
+                  a.size() == b.size(),
+              "lora_apply: rows, slots and starts are int64; an a and a b per adapter");
+  for (size_t s = 0; s < a.size(); ++s) {
+    TORCH_CHECK(a[s].numel() == 0 || (a[s].scalar_type() == x.scalar_type() &&
+                                      b[s].scalar_type() == x.scalar_type()),
+                "lora_apply: the adapters' weights are in x's dtype");
+  }
+  const int64_t in = x.size(1), out = y.size(1), modules = starts.numel() - 1, n = rows.numel();
+  TORCH_CHECK(modules >= 1, "lora_apply: starts holds each module's first column and the end");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < static_cast<int64_t>(a.size()), "lora_apply: slot");
+  }
+  const std::vector<at::Tensor> as(a.begin(), a.end()), bs(b.begin(), b.end());
+  FAIRSERVE_DISPATCH(x.scalar_type(), "lora_apply", [&] {
+    lora_rows(y.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), rows.data_ptr<int64_t>(), slot,
+              lora_weights<scalar_t>(as, bs, in, out, modules), starts.data_ptr<int64_t>(), n,
+              in, out, modules);
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fairserve, m) {
@@ -386,6 +537,9 @@ TORCH_LIBRARY(fairserve, m) {
       "paged_attention(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, Tensor slots, Tensor token_seq, Tensor block_tables, int num_heads, "
       "int num_kv_heads, int window, float scale) -> Tensor");
+  m.def(
+      "lora_apply(Tensor(a!) y, Tensor x, Tensor rows, Tensor slots, Tensor[] a, Tensor[] b, "
+      "Tensor starts) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(fairserve, CPU, m) {
@@ -393,4 +547,5 @@ TORCH_LIBRARY_IMPL(fairserve, CPU, m) {
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("silu_mul", silu_mul);
   m.impl("paged_attention", paged_attention);
+  m.impl("lora_apply", lora_apply);
 }

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replicas.engine.attention import AttentionMetadata, KernelMetadata, paged_attention
+from replicas.engine.lora import LoraBatch
 from replicas.engine.models.cpu_int4 import SplitLinear, split_linears
 from replicas.engine.models.cpu_linear import pack_linears
 from replicas.engine.models.model_config import ModelConfig
@@ -112,15 +113,18 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        lora: _Lora,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = lora("qkv", x, self.qkv_proj(x)).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta).reshape(num_tokens,
+                                                                            self.q_size)
+        return lora("o", out, self.o_proj(out))
 
 
 class MLP(nn.Module):
@@ -133,9 +137,10 @@ class MLP(nn.Module):
         self.down_proj = uninitialized_linear(cfg.intermediate_size, cfg.hidden_size,
                                               bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: _Lora) -> torch.Tensor:
+        gate, up = lora("gate_up", x, self.gate_up_proj(x)).split(self.intermediate_size, dim=-1)
+        h = F.silu(gate) * up
+        return lora("down", h, self.down_proj(h))
 
 
 class DecoderLayer(nn.Module):
@@ -152,15 +157,31 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        lora: _Lora,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 def _project(linear: nn.Module, x: torch.Tensor, num_generated: int) -> torch.Tensor:
     if isinstance(linear, SplitLinear):
         return linear(x, num_generated)
     return linear(x)
+
+
+class _Lora:
+    """One layer's LoRA updates in a step: ``lora(projection, x, y)`` adds them to ``y`` (the
+    base projection of ``x``); with no adapter in the step it returns ``y`` as it is."""
+
+    __slots__ = ("batch", "layer")
+
+    def __init__(self, batch: LoraBatch | None, layer: int) -> None:
+        self.batch, self.layer = batch, layer
+
+    def __call__(self, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.batch is None:
+            return y
+        return self.batch.apply(self.layer, projection, x, y)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -188,13 +209,14 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # (num_tokens,)
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata | KernelMetadata,
+        lora: LoraBatch | None = None,  # the rows of LoRA adapters, if any (replicas/engine/lora)
     ) -> torch.Tensor:  # (num_tokens, hidden): final hidden states, before the norm
         if isinstance(meta, KernelMetadata):
-            return self._forward_cpu_kernels(input_ids, kv_caches, meta)
+            return self._forward_cpu_kernels(input_ids, kv_caches, meta, lora)
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, meta)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x = layer(x, rope, kv_cache, meta, _Lora(lora, i))
         return x
 
     def _forward_cpu_kernels(
@@ -202,6 +224,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # (num_tokens,)
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: KernelMetadata,
+        lora_batch: LoraBatch | None,
     ) -> torch.Tensor:
         """The same decoder through ``torch.ops.fairserve`` (replicas/engine/kernels): each
         layer is 4 packed linears and 4 kernels (norm, attention with RoPE and the cache write,
@@ -217,14 +240,17 @@ class LlamaForCausalLM(nn.Module):
         h = ops.rms_norm(x, layers[0].input_layernorm.weight, eps)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
             attn, mlp = layer.self_attn, layer.mlp
+            lora = _Lora(lora_batch, i)
             a = ops.paged_attention(
-                _project(attn.qkv_proj, h, g), meta.positions, cos, sin, k_cache, v_cache,
+                lora("qkv", h, _project(attn.qkv_proj, h, g)), meta.positions, cos, sin,
+                k_cache, v_cache,
                 meta.slot_mapping, meta.token_seq, meta.block_tables, cfg.num_heads,
                 cfg.num_kv_heads, window, scale,
             )
-            h = ops.add_rms_norm(x, _project(attn.o_proj, a, g),
+            h = ops.add_rms_norm(x, lora("o", a, _project(attn.o_proj, a, g)),
                                  layer.post_attention_layernorm.weight, eps)
-            m = _project(mlp.down_proj, ops.silu_mul(_project(mlp.gate_up_proj, h, g)), g)
+            act = ops.silu_mul(lora("gate_up", h, _project(mlp.gate_up_proj, h, g)))
+            m = lora("down", act, _project(mlp.down_proj, act, g))
             if i + 1 < len(layers):
                 h = ops.add_rms_norm(x, m, layers[i + 1].input_layernorm.weight, eps)
             else:

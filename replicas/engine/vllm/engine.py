@@ -41,7 +41,7 @@ from replicas.engine.interface import (
 from replicas.engine.sampling_params import SamplingParams
 from replicas.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from replicas.engine.vllm.admission import ModelLimits, check_request, given_prompt_count
-from replicas.engine.vllm.engine_args import engine_args_kwargs
+from replicas.engine.vllm.engine_args import engine_args_kwargs, lora_args
 from replicas.engine.vllm.error_map import map_vllm_error
 from replicas.engine.vllm.load import InFlight, SchedulerStatsRecorder, estimate_load
 from replicas.engine.vllm.outputs import ChoiceStream, ClockReading, chunks_from_output
@@ -66,6 +66,7 @@ class _VLLMApi:
     delta: Any  # vllm.sampling_params.RequestOutputKind.DELTA
     structured_params: Any  # StructuredOutputsParams (newer) or GuidedDecodingParams (0.10)
     structured_keyword: str  # "structured_outputs" or "guided_decoding"
+    lora_request: Any  # vllm.lora.request.LoRARequest
 
 
 @dataclass(slots=True)
@@ -88,6 +89,7 @@ class _Family:
     request: GenerateRequest
     choices: list[_Choice]
     sink: asyncio.Queue[Chunk | BaseException] = field(default_factory=asyncio.Queue)
+    lora: Any = None  # its adapter's vllm.lora.request.LoRARequest, None: the base model
 
 
 class VLLMEngine:
@@ -103,6 +105,7 @@ class VLLMEngine:
         self._dtype = config.dtype.value  # vLLM's resolved dtype once started
         self._stats = SchedulerStatsRecorder()
         self._families: dict[str, _Family] = {}
+        self._lora_ids: dict[str, int] = {}  # adapter name -> vLLM's lora_int_id
         self._last_progress_s = time.monotonic()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -222,7 +225,9 @@ class VLLMEngine:
                        else f"{request.request_id}/{plan.index}")
             params = None if plan.is_exhausted else self._vllm_params(sampling, plan)
             choices.append(_Choice(plan, stream, vllm_id, params))
-        family = _Family(request, choices)
+        lora = lora_args(self.config, request.adapter, request.adapter_path, self._lora_ids)
+        family = _Family(request, choices,
+                         lora=None if lora is None else self._api.lora_request(*lora))
         self._families[request.request_id] = family
         return family
 
@@ -283,7 +288,8 @@ class VLLMEngine:
         streams = {0: choice.stream}
         try:
             llm = self._running_llm()
-            async for output in llm.generate(prompt, choice.params, choice.vllm_request_id):
+            async for output in llm.generate(prompt, choice.params, choice.vllm_request_id,
+                                             lora_request=family.lora):
                 self._last_progress_s = time.monotonic()
                 for chunk in chunks_from_output(output, streams, ClockReading.now()):
                     family.sink.put_nowait(chunk)
@@ -366,6 +372,7 @@ def _import_vllm(model_path: str) -> _VLLMApi:
     try:
         import vllm.sampling_params as vllm_sampling
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.lora.request import LoRARequest
         from vllm.v1.engine.async_llm import AsyncLLM
     except (ImportError, OSError) as exc:  # OSError: vLLM present, its CUDA libraries not
         raise ModelLoadError(f"{VLLM_MISSING} ({exc})", model_path) from exc
@@ -380,4 +387,5 @@ def _import_vllm(model_path: str) -> _VLLMApi:
         delta=vllm_sampling.RequestOutputKind.DELTA,
         structured_params=structured,
         structured_keyword=keyword,
+        lora_request=LoRARequest,
     )

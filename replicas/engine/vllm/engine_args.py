@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from replicas.engine.config import EngineConfig
+from replicas.engine.errors import InvalidRequestError
 from replicas.engine.sampling_params import MAX_TOP_LOGPROBS
 
 
@@ -49,4 +50,23 @@ def engine_args_kwargs(config: EngineConfig) -> dict[str, Any]:
         "kv_cache_memory_bytes": config.kv_cache_bytes,
     }
     kwargs.update({name: value for name, value in optional.items() if value is not None})
+    if config.lora_adapters or config.vllm.enable_lora:
+        kwargs.update(enable_lora=True, max_loras=config.max_loras,
+                      max_lora_rank=config.vllm.max_lora_rank)
     return kwargs
+
+
+def lora_args(config: EngineConfig, adapter: str | None, path: str | None,
+              ids: dict[str, int]) -> tuple[str, int, str] | None:
+    """``vllm.lora.request.LoRARequest``'s arguments for a request's adapter (name, a positive
+    id stable per name, which ``ids`` keeps, and the path), None for the base model;
+    ``InvalidRequestError`` naming ``model`` for one the engine cannot serve."""
+    if adapter is None:
+        return None
+    if not (config.lora_adapters or config.vllm.enable_lora):
+        raise InvalidRequestError(f"adapter {adapter!r}: this vllm engine serves no LoRA "
+                                  "adapters (engine.lora_adapters, or vllm.enable_lora)", "model")
+    where = path or config.lora_adapters.get(adapter)
+    if where is None:
+        raise InvalidRequestError(f"no adapter {adapter!r} on this replica", "model")
+    return adapter, ids.setdefault(adapter, len(ids) + 1), where

@@ -30,6 +30,7 @@ from typing import Any
 
 from replicas.engine.errors import InvalidRequestError
 from replicas.engine.sampling_params import GuideKind, SamplingParams, StructuredOutput
+from replicas.grammar import GrammarError, grammar_for
 
 SEED_MODULUS = 2**64  # torch.Generator.manual_seed takes its seed modulo 2**64
 
@@ -99,14 +100,20 @@ def vllm_seed(seed: int | None) -> int | None:
 def structured_constraint(spec: StructuredOutput | None) -> dict[str, Any] | None:
     """Keyword arguments of vLLM's ``StructuredOutputsParams`` / ``GuidedDecodingParams``.
 
-    fairserve has JSON object and JSON schema outputs (OpenAI's ``response_format``); vLLM's
-    regex, grammar and choice constraints have no fairserve request field. The schema goes as
+    fairserve has JSON object and JSON schema outputs (OpenAI's ``response_format``) and forced
+    tool calls (a Lark grammar); vLLM's regex and choice constraints have no fairserve request
+    field. The schema goes as
     a parsed object so text that is not a JSON object is refused here, naming the field.
     """
     if spec is None:
         return None
     if spec.kind is GuideKind.JSON_OBJECT:
         return {"json_object": True}
+    if spec.kind is GuideKind.TOOL_CALLS:  # a forced tool call: the Lark grammar llguidance
+        try:                               # takes (vLLM's `guidance` backend; untested here)
+            return {"grammar": grammar_for(spec.kind.value, spec.schema)}
+        except GrammarError as exc:
+            raise InvalidRequestError(f"tools: {exc}", "tools") from exc
     try:
         schema = json.loads(spec.schema)
     except (ValueError, RecursionError) as exc:

@@ -80,14 +80,27 @@ end
 
 local function stat(t, name, by) redis.call('HINCRBY', key('stats', t), name, by or 1) end
 
+-- ---- pools: each model's own queues (its replicas serve only it) ----
+-- A request waits in the pool of its model: the default model's pool is '' and its keys and
+-- fields are named as they always were; another model's end in ':<pool>' (the pool's name is
+-- checked by router/state/keys.py). Fair share, queue limits and backlog are per pool: one
+-- model's flood neither delays nor scales another's requests.
+local function sfx(pool) if pool == '' then return '' end return ':' .. pool end
+local function queue_key(t, pool) return key('queue', t) .. sfx(pool) end
+local function ready_key(class, pool) return key('ready', class) .. sfx(pool) end
+local function classes_key(pool) return K.classes .. sfx(pool) end
+local function leases_key(pool) return K.leases .. sfx(pool) end
+local function vtime_field(class, pool) return tostring(class) .. sfx(pool) end
+
 -- The fair-share cost of what waits in a tenant's queue (fs:{t}:state queued_cost), kept as
 -- requests enter and leave it, so that the backlog is read in O(tenants), never O(queued);
 -- exact again (0) whenever the queue is empty, so no drift outlives a backlog.
-local function queued_cost(t, delta)
-  if redis.call('LLEN', key('queue', t)) == 0 then
-    redis.call('HSET', key('state', t), 'queued_cost', 0)
+local function queued_cost(t, delta, pool)
+  local field = 'queued_cost' .. sfx(pool)
+  if redis.call('LLEN', queue_key(t, pool)) == 0 then
+    redis.call('HSET', key('state', t), field, 0)
   elseif delta ~= 0 then
-    redis.call('HINCRBY', key('state', t), 'queued_cost', delta)
+    redis.call('HINCRBY', key('state', t), field, delta)
   end
 end
 
@@ -107,53 +120,72 @@ end
 
 -- ---- fair share (start-time fair queuing per priority class; see the NOTE in router/state/queues.py) ----
 
-local function vtime(class) return tonumber(redis.call('HGET', K.vtime, class) or '0') end
+local function vtime(class, pool)
+  return tonumber(redis.call('HGET', K.vtime, vtime_field(class, pool)) or '0')
+end
 
-local function finish_tag(t) return tonumber(redis.call('HGET', key('state', t), 'vfinish') or '0') end
+local function finish_tag(t, pool)
+  return tonumber(redis.call('HGET', key('state', t), 'vfinish' .. sfx(pool)) or '0')
+end
+
+-- Every pool with something in it: the default, and those in K.pools (a pool joins when a
+-- request is queued in it, and reap.lua drops it once it has neither backlog nor leases).
+local function all_pools()
+  local pools = redis.call('SMEMBERS', K.pools)
+  table.sort(pools)
+  table.insert(pools, 1, '')
+  return pools
+end
 
 -- The tenant has work queued: give it a start tag if it has none (max of virtual time and its
 -- own finish tag, so idle time never banks credit). A finish tag from another class is on that
 -- class's clock: it carries nothing over.
-local function mark_ready(t, class)
-  local ready = key('ready', class)
+local function mark_ready(t, class, pool)
+  local ready = ready_key(class, pool)
   if redis.call('ZSCORE', ready, t) then return end
-  local st = redis.call('HMGET', key('state', t), 'vfinish', 'vclass')
-  local start = vtime(class)
+  local sk = key('state', t)
+  local st = redis.call('HMGET', sk, 'vfinish' .. sfx(pool), 'vclass' .. sfx(pool))
+  local start = vtime(class, pool)
   if st[2] == tostring(class) then start = math.max(start, tonumber(st[1]) or 0) end
   redis.call('ZADD', ready, fmt(start), t)
-  redis.call('ZADD', K.classes, class, class)
+  redis.call('ZADD', classes_key(pool), class, class)
+  if pool ~= '' then redis.call('SADD', K.pools, pool) end
 end
 
 -- A tenant with backlog changes priority class: it keeps its lag behind the old class's
 -- virtual time (its place in line), measured on the new class's clock.
-local function move_class(t, old, new)
-  local start = redis.call('ZSCORE', key('ready', old), t)
+local function move_class(t, old, new, pool)
+  local start = redis.call('ZSCORE', ready_key(old, pool), t)
   if not start then return end
-  redis.call('ZREM', key('ready', old), t)
-  if redis.call('ZCARD', key('ready', old)) == 0 then redis.call('ZREM', K.classes, old) end
-  local moved = vtime(new) + math.max(0, tonumber(start) - vtime(old))
-  redis.call('HSET', key('state', t), 'vfinish', fmt(moved), 'vclass', new)
-  redis.call('ZADD', key('ready', new), fmt(moved), t)
-  redis.call('ZADD', K.classes, new, new)
+  redis.call('ZREM', ready_key(old, pool), t)
+  if redis.call('ZCARD', ready_key(old, pool)) == 0 then
+    redis.call('ZREM', classes_key(pool), old)
+  end
+  local moved = vtime(new, pool) + math.max(0, tonumber(start) - vtime(old, pool))
+  redis.call('HSET', key('state', t), 'vfinish' .. sfx(pool), fmt(moved), 'vclass' .. sfx(pool),
+             new)
+  redis.call('ZADD', ready_key(new, pool), fmt(moved), t)
+  redis.call('ZADD', classes_key(pool), new, new)
 end
 
 -- After a request left the tenant's queue: drop the tenant from its class when nothing is left.
-local function settle_ready(t, class)
-  if redis.call('LLEN', key('queue', t)) > 0 then return end
-  local ready = key('ready', class)
+local function settle_ready(t, class, pool)
+  if redis.call('LLEN', queue_key(t, pool)) > 0 then return end
+  local ready = ready_key(class, pool)
   redis.call('ZREM', ready, t)
-  if redis.call('ZCARD', ready) == 0 then redis.call('ZREM', K.classes, class) end
+  if redis.call('ZCARD', ready) == 0 then redis.call('ZREM', classes_key(pool), class) end
 end
 
 -- Move the tenant's tags by delta (virtual time): a refund of a failed attempt's charge, or the
 -- correction from expected to actual tokens at completion.
-local function shift_tags(t, class, delta)
+local function shift_tags(t, class, delta, pool)
   if delta == 0 then return end
-  local st = key('state', t)
-  redis.call('HSET', st, 'vfinish', fmt(finish_tag(t) + delta))
-  local ready = key('ready', class)
+  redis.call('HSET', key('state', t), 'vfinish' .. sfx(pool), fmt(finish_tag(t, pool) + delta))
+  local ready = ready_key(class, pool)
   local start = redis.call('ZSCORE', ready, t)
-  if start then redis.call('ZADD', ready, fmt(math.max(vtime(class), tonumber(start) + delta)), t) end
+  if start then
+    redis.call('ZADD', ready, fmt(math.max(vtime(class, pool), tonumber(start) + delta)), t)
+  end
 end
 
 -- ---- quotas ----
@@ -213,13 +245,14 @@ local function end_unserved(t, rid, tenant, r, new_state, reason, now)
 end
 
 local REQUEST_FIELDS = {'state', 'holder', 'deliveries', 'cost', 'reserved', 'day', 'cancel',
-                        'writer', 'forgiven'}
+                        'writer', 'forgiven', 'pool'}
 
 local function load_request(t, rid)
   local v = redis.call('HMGET', key('request', t, rid), unpack(REQUEST_FIELDS))
   if not v[1] then return nil end
   local r = {}
   for i = 1, #REQUEST_FIELDS do r[REQUEST_FIELDS[i]] = v[i] end
+  r.pool = r.pool or ''
   return r
 end
 
@@ -233,7 +266,7 @@ end
 -- restart) is not the request's failure: it is forgiven, so it does not count towards
 -- max_deliveries (the attempt number still grows: it fences the old holder).
 local function requeue(t, rid, r, reason, max_deliveries, now, forgive)
-  redis.call('ZREM', K.leases, t .. ' ' .. rid)
+  redis.call('ZREM', leases_key(r.pool), t .. ' ' .. rid)
   local tenant = load_tenant(t, false)
   local forgiven = tonumber(r.forgiven or '0') + (forgive and 1 or 0)
   if tonumber(r.deliveries) - forgiven >= max_deliveries then
@@ -242,10 +275,10 @@ local function requeue(t, rid, r, reason, max_deliveries, now, forgive)
   end
   redis.call('HSET', key('request', t, rid), 'state', 'queued', 'holder', '', 'lease_deadline', '',
              'requeued_ms', now, 'requeue_reason', reason, 'forgiven', forgiven)
-  redis.call('LPUSH', key('queue', t), rid)
-  queued_cost(t, tonumber(r.cost))
-  shift_tags(t, tenant.priority, -tonumber(r.cost) / tenant.weight)
-  mark_ready(t, tenant.priority)
+  redis.call('LPUSH', queue_key(t, r.pool), rid)
+  queued_cost(t, tonumber(r.cost), r.pool)
+  shift_tags(t, tenant.priority, -tonumber(r.cost) / tenant.weight, r.pool)
+  mark_ready(t, tenant.priority, r.pool)
   stat(t, 'requeued')
   return 'queued'
 end

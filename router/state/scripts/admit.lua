@@ -9,7 +9,10 @@
 --   id of the client's reader (its stream, or its wait for the answer; "" for none) and 12 its
 --   lease end (ms): the admitted request is attached to it, counted against max_streams, 13 "1"
 --   when the id comes from an Idempotency-Key (its body's digest is kept K.idempotency_ttl_s,
---   longer than the record).
+--   longer than the record), 14 the model the request names ("" for none): refused unless the
+--   tenant's `models` (a comma-separated allow-list) is absent or lists it, 15 the pool (the
+--   model's queues; "" or absent: the default model's) the request waits in: max_queued counts
+--   the tenant's requests in that pool.
 -- Returns one of
 --   {"admitted", queue depth after the push}
 --   {"duplicate", state}                  the id is known and its body is the same: no second copy
@@ -18,6 +21,7 @@
 --   {"refused", reason, retry-after ms}   reason: disabled, queue_full, streams, rpm, tpm,
 --                                         daily_budget
 --   {"too_large", reason, limit}          the request alone exceeds max_tokens, tpm or daily_budget
+--   {"model"}                             the tenant may not use that model
 -- Errors: FSNOTFOUND tenant, FSSTORED (malformed tenant settings or limiter state).
 local t, rid = ARGV[2], ARGV[3]
 local prompt, max_tokens, expected = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -45,6 +49,13 @@ end
 local tenant, err = load_tenant(t, true)
 if not tenant then return err end
 if tenant.disabled then return {'refused', 'disabled', 0} end
+local model = ARGV[14] or ''
+if model ~= '' then
+  local allowed = redis.call('HGET', key('tenant', t), 'models')
+  if allowed and not string.find(',' .. allowed .. ',', ',' .. model .. ',', 1, true) then
+    return {'model'}
+  end
+end
 local reserved = prompt + choices * max_tokens
 if tenant.max_tokens and max_tokens > tenant.max_tokens then
   return {'too_large', 'max_tokens', tenant.max_tokens}
@@ -69,7 +80,8 @@ local reason, retry_ms = nil, 0
 local function refuse(why, wait_ms)
   if wait_ms > retry_ms or reason == nil then reason, retry_ms = why, wait_ms end
 end
-if redis.call('LLEN', key('queue', t)) >= (tenant.max_queued or math.huge) then
+local pool = ARGV[15] or ''
+if redis.call('LLEN', queue_key(t, pool)) >= (tenant.max_queued or math.huge) then
   refuse('queue_full', full_retry_ms)
 end
 if reader ~= '' and tenant.max_streams and
@@ -102,10 +114,11 @@ redis.call('HSET', rk, 'tenant', t, 'id', rid, 'state', 'queued', 'body', body, 
            'meta', meta, 'prompt_tokens', prompt, 'max_tokens', max_tokens,
            'cost', prompt + choices * expected, 'reserved', reserved, 'day', day, 'priority', tenant.priority,
            'created_ms', now, 'deliveries', 0, 'cancel', 0)
-local depth = redis.call('RPUSH', key('queue', t), rid)
-queued_cost(t, prompt + choices * expected)
+if pool ~= '' then redis.call('HSET', rk, 'pool', pool) end
+local depth = redis.call('RPUSH', queue_key(t, pool), rid)
+queued_cost(t, prompt + choices * expected, pool)
 redis.call('HSET', rk, 'admit_depth', depth)
-mark_ready(t, tenant.priority)
+mark_ready(t, tenant.priority, pool)
 stat(t, 'admitted')
 if reader ~= '' then attach_reader(t, rid, tenant, reader, 'stream', tonumber(ARGV[12])) end
 if ik then redis.call('SET', ik, digest, 'EX', K.idempotency_ttl_s) end

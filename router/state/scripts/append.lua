@@ -5,14 +5,19 @@
 -- tokens the client already has writes nothing). The writer is fenced too: the lease holder
 -- names the one call that may write (writer.lua; a model replica appends its call's chunks
 -- itself), so a replica it gave up on (frozen, then thawed) cannot write after the one that
--- took over. One call appends for a batch of requests (the chunks one engine step produced
+-- took over. A chunk must also follow what its choice has: one that starts past the position
+-- written (a Redis failover lost the chunks before it: replication is asynchronous) is refused
+-- with "gap", and so is the rest of its entry; the dispatcher then reads the stream back and
+-- has the tokens made again from where it stands. One call appends for a batch of requests (the chunks one engine step produced
 -- for all of them); each entry is checked on its own.
 -- KEYS: none passed. Reads fs:{t}:req:<id>; writes fs:{t}:stream:<id>, fs:{t}:req:<id>
 --   (fields pos:<choice>, streamed).
 -- ARGV: 2 number of entries n, then n groups: tenant, request id, holder id, attempt, writer
---   ('' when the holder writes itself and named no writer), number of events m, then m groups of (event type, data, choice, position; position 0: unfenced).
--- Returns a list of n replies, in order: {"ok", last event id, cancel requested 0/1, events
---   dropped as already written} or {"stale", state or "missing"}.
+--   ('' when the holder writes itself and named no writer), number of events m, then m groups
+--   of (event type, data, choice, position; position 0: unfenced, start: the position before
+--   the chunk's tokens, -1: unchecked).
+-- Returns a list of n replies, in order: {"ok" or "gap", last event id, cancel requested 0/1,
+--   events dropped as already written} or {"stale", state or "missing"}.
 local n = tonumber(ARGV[2])
 local replies = {}
 local b = 3
@@ -20,11 +25,11 @@ for e = 1, n do
   local t, rid, holder, attempt, writer = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3],
     ARGV[b + 4]
   local m = tonumber(ARGV[b + 5])
-  local first, after = b + 6, b + 6 + 4 * m
+  local first, after = b + 6, b + 6 + 5 * m
   local rk = key('request', t, rid)
   -- one read for the fences and every choice's position (a step brings one chunk per choice)
   local fields, slot = {'state', 'holder', 'deliveries', 'writer', 'cancel', 'streamed'}, {}
-  for i = first, after - 1, 4 do
+  for i = first, after - 1, 5 do
     local field = 'pos:' .. ARGV[i + 2]
     if tonumber(ARGV[i + 3]) > 0 and not slot[field] then
       fields[#fields + 1] = field
@@ -40,12 +45,15 @@ for e = 1, n do
     local sk = key('stream', t, rid)
     local pos, streamed = {}, tonumber(v[6] or '0')
     for field, i in pairs(slot) do pos[field] = tonumber(v[i] or '0') end
-    local last, dropped, moved = '', 0, false
-    for i = first, after - 1, 4 do
+    local last, dropped, moved, verdict = '', 0, false, 'ok'
+    for i = first, after - 1, 5 do
       local position = tonumber(ARGV[i + 3])
       local field = 'pos:' .. ARGV[i + 2]
       if position > 0 and position <= pos[field] then
         dropped = dropped + 1
+      elseif position > 0 and tonumber(ARGV[i + 4]) > pos[field] then
+        verdict = 'gap'
+        break
       else
         last = redis.call('XADD', sk, 'MAXLEN', '~', K.stream_max_events, '*', 'type', ARGV[i],
                           'data', ARGV[i + 1])
@@ -66,7 +74,7 @@ for e = 1, n do
       redis.call('HSET', rk, unpack(writes))
     end
     redis.call('EXPIRE', sk, K.stream_idle_ttl_s)
-    replies[e] = {'ok', last, tonumber(v[5]), dropped}
+    replies[e] = {verdict, last, tonumber(v[5]), dropped}
   end
   b = after
 end

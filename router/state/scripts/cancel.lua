@@ -15,8 +15,8 @@ if r.state == 'leased' then
 end
 if r.state ~= 'queued' then return {'ended', r.state} end
 local tenant = load_tenant(t, false)
-redis.call('LREM', key('queue', t), 1, rid)
-queued_cost(t, -(tonumber(r.cost) or 0))
-settle_ready(t, tenant.priority)
+redis.call('LREM', queue_key(t, r.pool), 1, rid)
+queued_cost(t, -(tonumber(r.cost) or 0), r.pool)
+settle_ready(t, tenant.priority, r.pool)
 end_unserved(t, rid, tenant, r, 'cancelled', ARGV[4], clock_ms())
 return {'cancelled'}

@@ -5,42 +5,53 @@
 -- KEYS: none passed. Reads fs:{t}:tenant; writes fs:{t}:req:<id>, fs:{t}:state,
 --   fs:{t}:budget:<day>, fs:{t}:stream:<id>, fs:{t}:stats, fs:{sched}:ready:<class>,
 --   fs:{sched}:leases.
--- ARGV: 2 number of completions n, then n groups of 9: tenant, request id, holder id, attempt,
+-- ARGV: 2 number of completions n, then n groups of 10: tenant, request id, holder id, attempt,
 --   outcome ("completed" or "cancelled"), prompt tokens used, output tokens used,
---   finish reason, terminal event data (JSON, opaque).
+--   finish reason, terminal event data (JSON, opaque), output tokens the stream must hold
+--   (-1: unchecked).
 -- Returns a list of n replies, in order: {"ok", tokens refunded (negative: charged beyond the
---   reservation)} or {"stale", state or "missing"} when the caller does not hold that lease
---   (nothing about that request changes).
+--   reservation)} or {"stale", state or "missing"} when the caller does not hold that lease,
+--   or {"gap", output tokens in the stream} when the stream holds fewer than it must (a Redis
+--   failover lost its last chunks: the caller has them made again); in both nothing about
+--   that request changes.
 local n = tonumber(ARGV[2])
 local now_s = fmt(clock_ms())
 local tenants, deltas, counts, replies = {}, {}, {}, {}
 
 for i = 0, n - 1 do
-  local b = 3 + i * 9
+  local b = 3 + i * 10
   local t, rid, holder, attempt, outcome = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3],
                                            ARGV[b + 4]
   local prompt_used, output_used = tonumber(ARGV[b + 5]), tonumber(ARGV[b + 6])
   local r = load_request(t, rid)
+  local must_hold = tonumber(ARGV[b + 9])
+  local streamed = must_hold < 0 and 0 or
+                   tonumber(redis.call('HGET', key('request', t, rid), 'streamed') or '0')
   if not lease_ok(r, holder, attempt) then
     replies[i + 1] = {'stale', r and r.state or 'missing'}
+  elseif streamed < must_hold then
+    replies[i + 1] = {'gap', streamed}
   else
     tenants[t] = tenants[t] or load_tenant(t, false)
     local tenant = tenants[t]
     local actual = prompt_used + output_used
     replies[i + 1] = {'ok', settle_tokens(t, tenant, tonumber(r.reserved), r.day, actual)}
-    deltas[t] = (deltas[t] or 0) + (actual - tonumber(r.cost)) / tenant.weight
+    deltas[t] = deltas[t] or {}  -- pool -> the correction of its tags
+    deltas[t][r.pool] = (deltas[t][r.pool] or 0) + (actual - tonumber(r.cost)) / tenant.weight
     local rk = key('request', t, rid)
     redis.call('HSET', rk, 'state', outcome, 'finished_ms', now_s, 'finish_reason', ARGV[b + 7],
                'prompt_tokens_used', ARGV[b + 5], 'output_tokens_used', ARGV[b + 6])
     redis.call('HDEL', rk, 'body')  -- served: its prompt and sampling are never read again
     redis.call('EXPIRE', rk, K.resume_window_s)
-    redis.call('ZREM', K.leases, t .. ' ' .. rid)
+    redis.call('ZREM', leases_key(r.pool), t .. ' ' .. rid)
     end_stream(t, rid, 'end', ARGV[b + 8], K.resume_window_s)
     count(counts, t, outcome)
     count(counts, t, 'prompt_tokens', prompt_used)
     count(counts, t, 'output_tokens', output_used)
   end
 end
-for t, delta in pairs(deltas) do shift_tags(t, tenants[t].priority, delta) end
+for t, pools in pairs(deltas) do
+  for pool, delta in pairs(pools) do shift_tags(t, tenants[t].priority, delta, pool) end
+end
 flush_counts(counts)
 return replies

@@ -5,18 +5,20 @@
 --   fs:{sched}:vtime, fs:{sched}:leases, and of the chosen tenants fs:{t}:queue, fs:{t}:req:<id>,
 --   fs:{t}:state (finish tag, queued_cost), fs:{t}:stats; reads fs:{t}:tenant (weight).
 -- ARGV: 2 holder id, 3 lease ms, 4 free capacity (slots), 5 most grants to return, 6 the
---   cluster's total capacity in slots or "" (given: never more leases live than that, however
---   many dispatchers call at once; the live leases are counted in this same atomic call).
+--   pool's total capacity in slots or "" (given: never more leases live than that, however
+--   many dispatchers call at once; the live leases are counted in this same atomic call),
+--   7 the pool (a model's queues, _lib.lua; "" or absent: the default model's) granted from:
+--   its own classes, ready sets, virtual times and tenants' finish tags.
 -- Returns {grants, warnings}: grants is a list of {tenant, id, attempt, lease deadline ms,
 --   body, meta, prompt tokens, max_tokens, created ms, grant sequence number, priority class,
 --   the tenant's queue depth right after its admission, the tenant's weight (a string: the
 --   replica's fair scheduler weighs the tenant's tokens by it), the tenant's cache group (""
 --   for none: its prefix cache is its own)}; warnings names
 --   stored data the script had to skip or read leniently ("<key> <field>").
-local holder, lease_ms = ARGV[2], tonumber(ARGV[3])
+local holder, lease_ms, pool = ARGV[2], tonumber(ARGV[3]), ARGV[7] or ''
 local wanted = math.min(tonumber(ARGV[4]), tonumber(ARGV[5]))
 if ARGV[6] and ARGV[6] ~= '' then
-  wanted = math.min(wanted, tonumber(ARGV[6]) - redis.call('ZCARD', K.leases))
+  wanted = math.min(wanted, tonumber(ARGV[6]) - redis.call('ZCARD', leases_key(pool)))
 end
 local now = clock_ms()
 local deadline = now + lease_ms
@@ -60,14 +62,14 @@ local function grant_one(t, class, start, rid)
   local cost = tonumber(r[2])
   if r[1] ~= 'queued' or cost == nil then return skip_malformed(t, rid, rk, r[1]) end
   dequeued[t] = dequeued[t] + cost
-  vtimes[class] = math.max(vtimes[class] or vtime(class), start)
+  vtimes[class] = math.max(vtimes[class] or vtime(class, pool), start)
   local finish = start + cost / tenant_of(t).weight
   finishes[t] = {finish, class}
   local attempt = (tonumber(r[8]) or 0) + 1
   seq = seq + 1
   redis.call('HSET', rk, 'state', 'leased', 'holder', holder, 'lease_deadline', deadline_s,
              'granted_ms', now_s, 'grant_seq', seq, 'deliveries', attempt, 'writer', '')
-  redis.call('ZADD', K.leases, deadline_s, t .. ' ' .. rid)
+  redis.call('ZADD', leases_key(pool), deadline_s, t .. ' ' .. rid)
   count(counts, t, 'granted')
   grants[#grants + 1] = {t, rid, attempt, deadline, r[3], r[4], r[5], r[6], r[7], seq,
                          class, tonumber(r[9]) or 0, fmt(tenant_of(t).weight),
@@ -84,7 +86,7 @@ local Ready = {}
 Ready.__index = Ready
 
 function Ready.load(class, n)
-  local flat = redis.call('ZRANGE', key('ready', class), 0, n, 'WITHSCORES')
+  local flat = redis.call('ZRANGE', ready_key(class, pool), 0, n, 'WITHSCORES')
   local self = setmetatable({class = class, entries = {}, boundary = nil}, Ready)
   for i = 1, #flat, 2 do self.entries[#self.entries + 1] = {t = flat[i], s = tonumber(flat[i + 1])} end
   if #self.entries == n + 1 then self.boundary = table.remove(self.entries) end
@@ -100,21 +102,21 @@ function Ready:first()
 end
 
 function Ready:save()
-  local ready = key('ready', self.class)
+  local ready = ready_key(self.class, pool)
   for _, e in ipairs(self.entries) do
     if e.dirty then redis.call('ZADD', ready, fmt(e.s), e.t) end
   end
-  if redis.call('ZCARD', ready) == 0 then redis.call('ZREM', K.classes, self.class) end
+  if redis.call('ZCARD', ready) == 0 then redis.call('ZREM', classes_key(pool), self.class) end
 end
 
 function Ready:drop(i)
-  redis.call('ZREM', key('ready', self.class), self.entries[i].t)
+  redis.call('ZREM', ready_key(self.class, pool), self.entries[i].t)
   table.remove(self.entries, i)
 end
 
 local queue_lengths = {}
 local function queue_length(t)
-  queue_lengths[t] = queue_lengths[t] or redis.call('LLEN', key('queue', t))
+  queue_lengths[t] = queue_lengths[t] or redis.call('LLEN', queue_key(t, pool))
   return queue_lengths[t]
 end
 
@@ -129,7 +131,7 @@ local function step(ready)
     ready:drop(i)
     return true
   end
-  local rid = redis.call('LPOP', key('queue', e.t))
+  local rid = redis.call('LPOP', queue_key(e.t, pool))
   queue_lengths[e.t] = queue_lengths[e.t] - 1
   dequeued[e.t] = dequeued[e.t] or 0
   local finish = grant_one(e.t, ready.class, e.s, rid)
@@ -145,21 +147,22 @@ end
 local guard = 0
 while #grants < wanted and guard < wanted + 1000 do
   guard = guard + 1
-  local class = redis.call('ZREVRANGE', K.classes, 0, 0)[1]
+  local class = redis.call('ZREVRANGE', classes_key(pool), 0, 0)[1]
   if not class then break end
   local ready = Ready.load(class, wanted - #grants)
   while #grants < wanted and step(ready) do guard = guard + 1 end
   ready:save()
 end
 
-for t, cost in pairs(dequeued) do queued_cost(t, -cost) end
+for t, cost in pairs(dequeued) do queued_cost(t, -cost, pool) end
 for t, fc in pairs(finishes) do
-  redis.call('HSET', key('state', t), 'vfinish', fmt(fc[1]), 'vclass', fc[2])
+  redis.call('HSET', key('state', t), 'vfinish' .. sfx(pool), fmt(fc[1]), 'vclass' .. sfx(pool),
+             fc[2])
 end
 if #grants > 0 then
   local writes = {'grants', seq}
   for c, v in pairs(vtimes) do
-    writes[#writes + 1] = c
+    writes[#writes + 1] = vtime_field(c, pool)
     writes[#writes + 1] = fmt(v)
   end
   redis.call('HSET', K.vtime, unpack(writes))

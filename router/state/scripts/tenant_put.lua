@@ -1,7 +1,7 @@
 -- tenant_put: create or replace a tenant's settings; a tenant with backlog that changes
 -- priority class moves to its new class keeping its place in line (see move_class).
 -- KEYS: none passed. Writes fs:tenants, fs:{t}:tenant; may move fs:{sched}:ready:<class>,
---   fs:{sched}:classes.
+--   fs:{sched}:classes (of each pool, fs:{sched}:pools).
 -- ARGV: 2 tenant, 3 settings JSON (field -> value; absent fields are unlimited/unset),
 --   4 "create" (refuse if it exists), "update" (refuse if missing) or "upsert".
 -- Returns {"ok", "created" or "updated"} or {"exists"} or {"missing"}.
@@ -20,5 +20,7 @@ end
 redis.call('HSET', tk, unpack(args))
 redis.call('SADD', K.tenants, t)
 local new = tonumber(settings.priority or 0)
-if new ~= old then move_class(t, old, new) end
+if new ~= old then
+  for _, pool in ipairs(all_pools()) do move_class(t, old, new, pool) end
+end
 return {'ok', exists and 'updated' or 'created'}

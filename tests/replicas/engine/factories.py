@@ -1,4 +1,4 @@
-"""Factories for engine tests: sequences with made-up prompts, no tokenizer, no model; and
+"""Factories for engine tests: sequences with made-up prompts, no tokenizer, no model;
 transformers' own model on a model source's weights, the reference the engine is held to."""
 
 from __future__ import annotations

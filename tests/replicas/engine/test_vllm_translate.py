@@ -25,6 +25,7 @@ from replicas.engine.interface import ChoiceResume, Engine, FinishReason, Genera
 from replicas.engine.sampling_params import GuideKind, SamplingParams, StructuredOutput
 from replicas.engine.vllm import VLLMEngine, engine_args_kwargs, load_tokenizer
 from replicas.engine.vllm.admission import ModelLimits, check_request
+from replicas.engine.vllm.engine_args import lora_args
 from replicas.engine.vllm.error_map import map_vllm_error
 from replicas.engine.vllm.load import (
     InFlight,
@@ -165,6 +166,9 @@ def test_structured_outputs_become_vllm_constraints() -> None:
     assert structured_constraint(spec) == {"json": PERSON}
     got = sampling_kwargs(SamplingParams(structured_output=spec))
     assert got.constraint == {"json": PERSON} and "structured_outputs" not in got.kwargs
+    calls = json.dumps({"type": "array", "minItems": 1, "items": {"type": "object"}})
+    grammar = structured_constraint(StructuredOutput(GuideKind.TOOL_CALLS, calls))["grammar"]
+    assert grammar.startswith('start: "<tool_call>" calls "</tool_call>"')  # a forced tool call
 
 
 @pytest.mark.parametrize("schema", ["{not json", "[1, 2]", '"a string"', ""])
@@ -514,6 +518,23 @@ def test_engine_config_maps_onto_async_engine_args() -> None:
     got = engine_args_kwargs(EngineConfig(model="/models/m"))
     assert not {"max_model_len", "num_gpu_blocks_override", "kv_cache_memory_bytes"} & set(got)
     assert got["gpu_memory_utilization"] == 0.9 and got["disable_log_stats"] is False
+
+
+def test_lora_adapters_turn_on_vllm_s_lora_and_travel_as_lora_requests() -> None:
+    config = EngineConfig(model="/models/m", lora_adapters={"tone": "/adapters/tone"},
+                          max_loras=4, vllm=VLLMOptions(max_lora_rank=16))
+    got = engine_args_kwargs(config)
+    assert (got["enable_lora"], got["max_loras"], got["max_lora_rank"]) == (True, 4, 16)
+    assert "enable_lora" not in engine_args_kwargs(EngineConfig(model="/models/m"))
+    ids: dict[str, int] = {}
+    assert lora_args(config, None, None, ids) is None
+    assert lora_args(config, "tone", None, ids) == ("tone", 1, "/adapters/tone")
+    assert lora_args(config, "added", "/shared/added", ids) == ("added", 2, "/shared/added")
+    assert lora_args(config, "tone", None, ids) == ("tone", 1, "/adapters/tone")  # stable id
+    for engine_config, name in ((config, "nope"), (EngineConfig(model="/m"), "tone")):
+        with pytest.raises(InvalidRequestError) as err:
+            lora_args(engine_config, name, None, {})
+        assert err.value.param == "model"
 
 
 @pytest.mark.parametrize("bad", [{"gpu_memory_utilization": 0.0},

@@ -3,6 +3,7 @@ index of what was sent where, and the ranking that balances affinity against loa
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 from types import SimpleNamespace
@@ -10,9 +11,12 @@ from types import SimpleNamespace
 import pytest
 
 from replicas.protocol import (
+    PUBLISHED_ADAPTERS,
+    CallAdapter,
     CallSampling,
     CallStream,
     ReplicaCall,
+    adapter_salt,
     cache_root,
     hash_block_tokens,
 )
@@ -134,7 +138,7 @@ def test_the_router_hashes_the_prompt_of_the_replica_call_it_routes() -> None:
     call = ReplicaCall("r.1.0", tuple(range(10)), CallSampling(max_tokens=4),
                        CallStream("t", "r", "router-1", 1, "1.0"))
     pending = SimpleNamespace(args=[call])
-    router = SimpleNamespace(block_size=BS)
+    router = SimpleNamespace(block_size=BS, _call=PrefixAffinityRouter._call)
     assert PrefixAffinityRouter._hashes(router, pending) == block_hashes(list(range(10)), BS)
     assert PrefixAffinityRouter._hashes(router, SimpleNamespace(args=[{"x": 1}])) == []
     # a tenant's call is hashed in its own prefix-cache partition, as its replica caches it
@@ -143,3 +147,37 @@ def test_the_router_hashes_the_prompt_of_the_replica_call_it_routes() -> None:
     assert hashes == block_hashes(list(range(10)), BS, "acme")
     assert hashes[0] == hash_block_tokens(cache_root("acme"), tuple(range(BS)))
     assert not set(hashes) & set(block_hashes(list(range(10)), BS))
+    # an adapter's call in the adapter's partition (the engine's: replicas/engine/engine_core)
+    tuned = dataclasses.replace(salted, adapter=CallAdapter("tone"))
+    assert PrefixAffinityRouter._hashes(router, SimpleNamespace(args=[tuned])) == block_hashes(
+        list(range(10)), BS, adapter_salt("acme", "tone")) != hashes
+
+
+def test_an_adapters_request_goes_to_a_replica_holding_it_unless_that_one_is_overloaded(
+        ) -> None:
+    router = object.__new__(PrefixAffinityRouter)
+    router.initialize_state(block_size=BS)
+    router._queue_len = lambda replica: None  # Ray's queue-length cache knows nothing yet
+
+    def replica(rid: str, adapters: list[str]) -> SimpleNamespace:
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=rid),
+                               routing_stats={PUBLISHED_ADAPTERS: adapters})
+
+    replicas = [replica("a", []), replica("b", ["tone"]), replica("c", ["other"])]
+    call = ReplicaCall("r.1.0", (1, 2), CallSampling(max_tokens=4),  # shorter than a block
+                       CallStream("t", "r", "router-1", 1, "1.0"), adapter=CallAdapter("tone"))
+
+    def first(request_id: str, the_call: ReplicaCall = call) -> str:
+        pending = SimpleNamespace(args=[the_call],
+                                  metadata=SimpleNamespace(internal_request_id=request_id))
+        ranks = asyncio.run(router.choose_replicas(replicas, pending))
+        return ranks[0][0].replica_id.unique_id
+
+    # b holds it: b, until it has more than max_imbalance (8) requests beyond the least loaded
+    assert [first(f"q{i}") for i in range(9)] == ["b"] * 9
+    assert first("late") != "b"
+    # one this router sent there counts as held too, before the replica publishes it
+    router.on_request_routed(SimpleNamespace(args=[dataclasses.replace(
+        call, adapter=CallAdapter("fresh"))], metadata=SimpleNamespace(internal_request_id="s")),
+        SimpleNamespace(unique_id="c"), None)
+    assert router._holds(replicas[2], "fresh") and not router._holds(replicas[0], "fresh")

@@ -7,7 +7,7 @@ import pytest
 
 from router.config import QueueSettings
 from router.dispatch.streams import Event
-from router.errors import LeaseLostError, NotFoundError
+from router.errors import LeaseLostError, NotFoundError, StreamGapError
 from router.messages import AdmitRequest, CancelOutcome, RequestState
 from router.state import keys
 from router.state.tenants import Tenant
@@ -375,5 +375,35 @@ def test_a_dead_letter_is_charged_what_it_streamed(redis_url) -> None:
             assert (await h.queues.get("acme", "r")).state == RequestState.DEAD
             day = clock.now_ms // 86_400_000
             assert int(await h.client.get(keys.budget("acme", day))) == 10 + 3
+
+    run(scenario())
+
+
+def test_a_chunk_past_the_streams_position_is_a_gap_and_completion_checks_the_count(
+        redis_url) -> None:
+    """A Redis failover can lose a stream's last chunks (replication is asynchronous): the
+    next chunk then starts past what its choice holds and is refused (the events before it in
+    the batch are written), and a completion that expects more output tokens than the stream
+    holds changes nothing; both raise ``StreamGapError``, and the dispatcher has the tokens
+    made again (a migration)."""
+    async def scenario() -> None:
+        async with harness(redis_url) as h:
+            await add_tenants(h, Tenant(id="acme"))
+            await h.queues.admit(make_request("acme", "r"))
+            (g,) = (await h.queues.grant("d", 1)).grants
+            await h.streams.append(g.lease, [Event("chunk", "a", 0, 1, 0),
+                                             Event("chunk", "bc", 0, 3, 1)])
+            with pytest.raises(StreamGapError, match="lost in a Redis failover"):
+                await h.streams.append(g.lease, [Event("chunk", "d", 0, 4, 3),
+                                                 Event("chunk", "f", 0, 6, 5),
+                                                 Event("chunk", "g", 0, 7, 6)])
+            # the writer that resumes from the stream's position goes on from there
+            await h.streams.append(g.lease, [Event("chunk", "e", 0, 5, 4)])
+            with pytest.raises(StreamGapError, match="holds 5 of its 7"):
+                await h.queues.complete(g.lease, 10, 7, "stop", must_hold=7)
+            assert (await h.queues.get("acme", "r")).state == RequestState.LEASED
+            await h.queues.complete(g.lease, 10, 5, "stop", must_hold=5)
+            events = [e async for e in h.streams.read("acme", "r")]
+            assert [e.data for e in events[:-1]] == ["a", "bc", "d", "e"]
 
     run(scenario())

@@ -13,16 +13,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
 
-from cluster.redis_server import find_redis_server, free_port
 from cluster.status import redis_role
 from router.config import QueueSettings
 from router.errors import NotReplicatedError
@@ -31,72 +28,14 @@ from router.state.queues import TenantQueues
 from router.state.redis_client import connect, sentinel_address, sync_connect
 from router.state.scripts import Scripts
 from router.state.tenants import Tenant, TenantStore
+from tests.redis_ha import Servers, sentinel_servers
 from tests.router.factories import make_request, run
-
-SERVICE = "fs"
-
-
-@dataclass
-class Servers:
-    primary: subprocess.Popen[bytes]
-    primary_port: int
-    replica_port: int
-    sentinel_port: int
-
-    @property
-    def url(self) -> str:
-        return f"redis+sentinel://127.0.0.1:{self.sentinel_port}/{SERVICE}"
-
-
-def _server(binary: str, directory: Path, *args: str) -> subprocess.Popen[bytes]:
-    directory.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen([binary, *args, "--dir", str(directory), "--logfile",
-                             str(directory / "redis.log")], stdin=subprocess.DEVNULL)
-
-
-def _wait(what: str, check, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    last: object = None
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except (redis.RedisError, OSError) as exc:
-            last = exc
-        time.sleep(0.1)
-    raise AssertionError(f"{what} not within {timeout_s} s ({last})")
 
 
 @pytest.fixture
 def servers(tmp_path: Path) -> Iterator[Servers]:
-    binary = find_redis_server()
-    primary_port, replica_port, sentinel_port = free_port(), free_port(), free_port()
-    common = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    processes = [_server(binary, tmp_path / "primary", "--port", str(primary_port), *common)]
-    processes.append(_server(binary, tmp_path / "replica", "--port", str(replica_port),
-                             *common, "--replicaof", "127.0.0.1", str(primary_port)))
-    (tmp_path / "sentinel").mkdir()
-    config = tmp_path / "sentinel" / "sentinel.conf"
-    config.write_text(f"port {sentinel_port}\nbind 127.0.0.1\n"
-                      f"sentinel monitor {SERVICE} 127.0.0.1 {primary_port} 1\n"
-                      f"sentinel down-after-milliseconds {SERVICE} 1000\n"
-                      f"sentinel failover-timeout {SERVICE} 5000\n")
-    processes.append(subprocess.Popen([binary, str(config), "--sentinel", "--logfile",
-                                       str(tmp_path / "sentinel" / "sentinel.log")],
-                                      stdin=subprocess.DEVNULL))
-    try:
-        replica = redis.Redis(port=replica_port)
-        _wait("the replica's link to the primary",
-              lambda: replica.info("replication")["master_link_status"] == "up")
-        sentinel = redis.Redis(port=sentinel_port)
-        _wait("the sentinel's view of the replica",
-              lambda: len(sentinel.sentinel_slaves(SERVICE)) == 1)
-        yield Servers(processes[0], primary_port, replica_port, sentinel_port)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
+    with sentinel_servers(tmp_path) as running:
+        yield running
 
 
 def test_status_names_the_redis_role_and_its_replicas(servers) -> None:

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.messages import TenantBacklog
+from router.state import keys, nodes
 from router.state.capacity import ReplicaLoad
-from router.telemetry.metrics import ClusterState, MetricsStore, exposition
+from router.state.nodes import NodeCounts
+from router.state.redis_client import connect
+from router.telemetry.metrics import (
+    MAX_MODEL_LABELS,
+    OTHER_MODEL,
+    ClusterState,
+    MetricsStore,
+    exposition,
+)
 from router.telemetry.request_observer import PhaseTimes
 
 
@@ -72,3 +83,39 @@ def test_phase_times_and_server_timing() -> None:
                                          "prefill;dur=200.0, decode;dur=1000.0, total;dur=1800.0")
     unserved = PhaseTimes.from_timings({"admitted_s": 1.0})
     assert unserved.as_ms() == {} and unserved.server_timing(0.25) == "total;dur=250.0"
+
+
+def test_ray_nodes_count_alive_lost_and_removed_from_rays_table(redis_url) -> None:
+    table = [{"NodeID": "a" * 56, "Alive": True, "NodeManagerHostname": "head"},
+             {"NodeID": "b" * 56, "Alive": False, "DeathReason": 2,  # UNEXPECTED_TERMINATION
+              "NodeManagerHostname": "worker-1"},
+             {"NodeID": "c" * 56, "Alive": False, "DeathReason": 1,  # EXPECTED_TERMINATION
+              "NodeManagerHostname": "worker-2"},
+             {"NodeID": "d" * 56, "Alive": False, "DeathReason": 4,  # AUTOSCALER_DRAIN_IDLE
+              "NodeManagerHostname": "worker-3"}]
+    counts = NodeCounts.of_ray(table)
+    assert (counts.alive, counts.lost, counts.removed) == (1, 1, 2)
+    assert counts.summary() == f"1 alive, 1 lost, 2 removed (lost: worker-1 {'b' * 12})"
+    s = _samples(exposition(MetricsStore(), ClusterState([], [], nodes=counts)))
+    assert s[("fairserve_ray_nodes", (("state", "lost"),))] == 1
+    assert s[("fairserve_ray_nodes", (("state", "removed"),))] == 2
+
+    async def stored() -> NodeCounts | None:
+        client = connect(redis_url)
+        try:
+            assert await nodes.read(client) is None
+            await nodes.publish(client, counts)
+            assert 0 < await client.ttl(keys.nodes()) <= nodes.TTL_S
+            return await nodes.read(client)
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(stored()) == counts
+
+
+def test_the_model_label_is_bounded() -> None:
+    store = MetricsStore()
+    labels = [store.model_label(f"adapter-{i}") for i in range(MAX_MODEL_LABELS + 5)]
+    assert labels[:MAX_MODEL_LABELS] == [f"adapter-{i}" for i in range(MAX_MODEL_LABELS)]
+    assert set(labels[MAX_MODEL_LABELS:]) == {OTHER_MODEL}
+    assert store.model_label("adapter-3") == "adapter-3"  # one seen keeps its label
