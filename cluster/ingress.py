@@ -15,13 +15,46 @@ clusters on one machine (a developer's and the test suite's) do not collide.
 
 from __future__ import annotations
 
+import random
+import socket
 import tempfile
 from pathlib import Path
 
-from cluster.redis_server import free_port
 from cluster.settings import FairserveSettings, Ingress
 
 ROUTER_PORTS = 64  # ports each cluster's routers may take (Ray quarantines a freed one a while)
+# One cluster's ports: HAProxy's metrics and stats, then the routers' HTTP and gRPC ranges.
+BLOCK = 2 + 2 * (ROUTER_PORTS + 1)
+# Where blocks are taken from: above Ray's worker ports (10002-19999 by default), below the
+# kernel's ephemeral range (32768+), from which outgoing connections and bind(0) take theirs.
+FIRST_PORT, END_PORT = 20_000, 32_768
+_taken: set[int] = set()  # starts of the blocks this process handed out
+
+
+def _free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def port_block(rng: random.Random | None = None) -> int:
+    """The first of ``BLOCK`` consecutive ports that are all free now, outside Ray's worker
+    ports and the ephemeral range, and never handed out before by this process.
+
+    Each port was picked from the ephemeral range before: one pick could fall inside another's
+    range, or go to an outgoing connection before HAProxy bound it ("Address already in use").
+    """
+    rng = rng or random.SystemRandom()
+    starts = list(range(FIRST_PORT, END_PORT - BLOCK + 1, BLOCK))
+    rng.shuffle(starts)
+    for start in starts:
+        if start not in _taken and all(_free(p) for p in range(start, start + BLOCK)):
+            _taken.add(start)
+            return start
+    raise RuntimeError(f"no {BLOCK} consecutive free ports in {FIRST_PORT}-{END_PORT - 1}")
 
 
 def ingress_files(env: dict[str, str]) -> Path | None:
@@ -37,12 +70,14 @@ def ingress_env(settings: FairserveSettings) -> dict[str, str]:
         return {}
     # short: HAProxy's admin socket path must fit a Unix socket's 108 bytes
     files = tempfile.mkdtemp(prefix="fs-haproxy-")
-    http, grpc = free_port(), free_port()
+    start = port_block()
+    http = start + 2
+    grpc = http + ROUTER_PORTS + 1
     return {
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
-        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
-        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(start),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(start + 1),
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{files}/haproxy.cfg",
         "RAY_SERVE_HAPROXY_SOCKET_PATH": f"{files}/admin.sock",
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http),
