@@ -34,7 +34,11 @@ JSON_OPTIONS: JsonCompileOptions = {
 }
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 # a forced tool call (router/api/tools.py): the block around the JSON array of calls
+# (fairserve's format), or around each call object (Hermes')
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+# at most this many calls in a forced answer: a small model sampled hot may call one tool over
+# and over until max_tokens cuts a call in two
+MAX_FORCED_CALLS = 16
 
 
 class GrammarError(ValueError):
@@ -43,10 +47,14 @@ class GrammarError(ValueError):
 
 def grammar_for(kind: str, schema: str = "") -> str:
     """The llguidance grammar of a ``json_object`` (any object) or a ``json_schema`` format
-    (``schema``: the JSON Schema as JSON text), or of ``tool_calls``: ``<tool_call>``, a JSON
-    array under ``schema`` (the calls: router/api/tools.py), ``</tool_call>``."""
+    (``schema``: the JSON Schema as JSON text), or of a forced tool call, ``schema`` being the
+    JSON Schema of the array of calls (router/api/tools.py): ``tool_calls``, ``<tool_call>``,
+    that array, ``</tool_call>``; ``tool_call_blocks`` (Hermes'), each call of the array as an
+    object in a block of its own, ``<tool_call>\n{...}\n</tool_call>``, a newline between."""
     if kind == "tool_calls":
         return _tool_calls_grammar(schema)
+    if kind == "tool_call_blocks":
+        return _tool_call_blocks_grammar(schema)
     if kind == "json_object":
         document: Any = ANY_JSON_OBJECT
     elif kind == "json_schema":
@@ -74,6 +82,22 @@ def _tool_calls_grammar(schema: str) -> str:
     document["x-guidance"] = dict(JSON_OPTIONS)
     lark = (f"start: {json.dumps(TOOL_CALL_OPEN)} calls {json.dumps(TOOL_CALL_CLOSE)}\n"
             f"calls: %json {json.dumps(document)}\n")
+    try:
+        return str(llguidance.LLMatcher.grammar_from_lark(lark))
+    except ValueError as exc:
+        raise GrammarError(str(exc)) from None
+
+
+def _tool_call_blocks_grammar(schema: str) -> str:
+    document = _schema_object(schema, "the tools' schema")
+    item = document.get("items")
+    if not isinstance(item, dict):
+        raise GrammarError("the tools' schema must be an array of calls with items")
+    item = {**item, "x-guidance": dict(JSON_OPTIONS)}
+    most = int(document.get("maxItems", MAX_FORCED_CALLS))
+    block = f'{json.dumps(TOOL_CALL_OPEN + chr(10))} call {json.dumps(chr(10) + TOOL_CALL_CLOSE)}'
+    more = " ".join(['("\\n" block)?'] * (most - 1))
+    lark = (f"start: block {more}\n" f"block: {block}\n" f"call: %json {json.dumps(item)}\n")
     try:
         return str(llguidance.LLMatcher.grammar_from_lark(lark))
     except ValueError as exc:

@@ -32,6 +32,8 @@ def describe_model(config: EngineConfig) -> ModelInfo:
         tokenizer_files=files,
         created_s=int(time.time()),
         adapters=tuple(sorted(config.lora_adapters)),
+        chat_template=Path(config.chat_template).read_text() if config.chat_template else None,
+        tool_call_parser=config.tool_call_parser,
     )
 
 

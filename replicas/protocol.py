@@ -101,6 +101,7 @@ class GuideKind(enum.StrEnum):
     JSON_OBJECT = "json_object"  # any JSON object
     JSON_SCHEMA = "json_schema"  # JSON valid under ``StructuredOutput.schema``
     TOOL_CALLS = "tool_calls"  # a forced tool call: <tool_call>[calls under the schema]</tool_call>
+    TOOL_CALL_BLOCKS = "tool_call_blocks"  # the same in Hermes' blocks: one call object each
 
 
 @dataclass(frozen=True, slots=True)

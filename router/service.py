@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -29,7 +30,7 @@ from router.api.prompt_tokenizer import ModelInfo, PromptTokenizer
 from router.api.sampling import check_sampling, sampling_wire, stream_max_tokens
 from router.api.shaper import Shape
 from router.api.tenant_gate import KnownKeys
-from router.api.tools import check_references, template_messages
+from router.api.tools import chat_prompt, check_references
 from router.config import ApiSettings, QueueSettings
 from router.dispatch import response_events
 from router.dispatch.dispatcher import Dispatcher, DispatchSettings
@@ -271,12 +272,14 @@ class RouterService:
         model, adapter = await self.resolve_model(principal.tenant_id, request.model)
         if isinstance(request, ChatCompletionRequest):
             check_references(request)
-        await check_sampling(request, model.tokenizer.vocab_size, self.api.max_n)
+        await check_sampling(request, model.tokenizer.vocab_size, self.api.max_n,
+                             model.tokenizer.tool_format)
         prompt_ids, prompt_param = await self._prompt_ids(request, model)
         max_tokens = await self._max_tokens(principal.tenant_id, request, len(prompt_ids),
                                             prompt_param, model.context_tokens)
         wire: dict[str, Any] = {"prompt_token_ids": prompt_ids,
-                                "sampling": sampling_wire(request, max_tokens)}
+                                "sampling": sampling_wire(request, max_tokens,
+                                                          model.tokenizer.tool_format)}
         if adapter is not None:  # the replicas load it by name (and path, if added at run time)
             wire["adapter"] = [adapter.name, adapter.path]
         body = json.dumps(wire)
@@ -314,11 +317,12 @@ class RouterService:
         thread (the tokenizer releases the GIL), so one large prompt does not stall every
         other request on this router's event loop."""
         if isinstance(request, ChatCompletionRequest):
-            messages = template_messages(request)  # with its tools, if any (api/tools.py)
-            self._check_prompt_chars(sum(len(m["content"]) for m in messages), "messages",
-                                     model.context_tokens)
-            return await self._off_loop(sum(len(m["content"]) for m in messages),
-                                        model.tokenizer.encode_chat, messages), "messages"
+            tokenizer = model.tokenizer  # with its tools, if any, as the model takes them
+            chat = chat_prompt(request, tokenizer.tool_format, tokenizer.template_takes_tools)
+            num_chars = chat.num_chars()
+            self._check_prompt_chars(num_chars, "messages", model.context_tokens)
+            encode = functools.partial(tokenizer.encode_chat, tools=chat.tools)
+            return await self._off_loop(num_chars, encode, chat.messages), "messages"
         prompt = request.prompt
         if isinstance(prompt, str) or all(isinstance(p, str) for p in prompt):
             text = prompt if isinstance(prompt, str) else str(prompt[0])

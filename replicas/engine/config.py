@@ -10,6 +10,7 @@ import enum
 import importlib.util
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -115,6 +116,20 @@ class EngineConfig(BaseModel):
         default_factory=VLLMOptions, description="what only kind: vllm reads")
     served_model_name: str = Field(
         default="SmolLM2-135M-Instruct", min_length=1, description="Model name shown to clients."
+    )
+    chat_template: LocalPathStr | None = Field(
+        default=None,
+        description="A Jinja chat template file to render chats with instead of the model's own "
+        "(vLLM's --chat-template). A template that takes `tools` renders the request's tools "
+        "and past calls itself.",
+    )
+    tool_call_parser: Literal["auto", "hermes", "fairserve"] = Field(
+        default="auto",
+        description="How this model writes tool calls (router/api/tools.py). hermes: one "
+        "`<tool_call>` block per call object (Hermes 2 Pro/3, Qwen 2.5/3); fairserve: one "
+        "block holding an array of calls, with fairserve's own tools prompt (the default "
+        "model's format). auto: hermes when the chat template takes `tools` and writes "
+        "`<tool_call>`, else fairserve.",
     )
     device: str = Field(
         default=AUTO,

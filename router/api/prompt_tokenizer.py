@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from router.api.tools import takes_tools, tool_format
 from router.errors import InvalidRequestError
 
 
@@ -26,6 +27,8 @@ class ModelInfo:
     tokenizer_files: dict[str, bytes] = field(repr=False)  # file name -> contents
     created_s: int = 0  # for /v1/models
     adapters: tuple[str, ...] = ()  # the LoRA adapters the settings name (engine.lora_adapters)
+    chat_template: str | None = None  # engine.chat_template's text: instead of the model's own
+    tool_call_parser: str = "auto"  # engine.tool_call_parser (router/api/tools.py)
 
 
 class PromptTokenizer:
@@ -36,21 +39,29 @@ class PromptTokenizer:
             for name, content in info.tokenizer_files.items():
                 (Path(directory) / name).write_bytes(content)
             self._hf: Any = PreTrainedTokenizerFast.from_pretrained(directory)
+        if info.chat_template is not None:
+            self._hf.chat_template = info.chat_template
+        template = getattr(self._hf, "chat_template", None)
+        self.tool_format = tool_format(info.tool_call_parser, template)
+        # a template that takes `tools` renders them and the past calls itself
+        self.template_takes_tools = isinstance(template, str) and takes_tools(template)
         self._piece_cache: dict[int, str] = {}
 
     def encode(self, text: str) -> list[int]:
         return list(self._hf.encode(text))
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Ids of a chat rendered with the model's template and a generation prompt."""
+    def encode_chat(self, messages: Sequence[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Ids of a chat rendered with the model's template and a generation prompt (and the
+        tools, for a template that takes them)."""
         import jinja2
 
         if not getattr(self._hf, "chat_template", None):
             raise InvalidRequestError("this model has no chat template", param="messages")
         try:
             ids = self._hf.apply_chat_template(
-                [dict(m) for m in messages], add_generation_prompt=True, tokenize=True,
-                return_dict=False)
+                [dict(m) for m in messages], tools=tools, add_generation_prompt=True,
+                tokenize=True, return_dict=False)
         except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
             raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
         return list(ids)

@@ -21,14 +21,15 @@ from router.api.openai_models import (
     JsonObjectFormat,
     JsonSchemaFormat,
 )
-from router.api.tools import calls_schema
+from router.api.tools import ToolFormat, calls_schema
 from router.errors import UNSUPPORTED_SCHEMA, InvalidRequestError
 from router.state.keys import STREAM_MAX_EVENTS
 
 Request = ChatCompletionRequest | CompletionRequest
 
 
-async def check_sampling(request: Request, vocab_size: int, max_n: int) -> None:
+async def check_sampling(request: Request, vocab_size: int, max_n: int,
+                         fmt: ToolFormat = ToolFormat.FAIRSERVE) -> None:
     """Raises ``InvalidRequestError`` naming the field the model or deployment cannot take.
     A schema is compiled on a worker thread: a large one takes milliseconds of CPU that would
     otherwise stall every stream this router serves."""
@@ -42,9 +43,9 @@ async def check_sampling(request: Request, vocab_size: int, max_n: int) -> None:
             raise InvalidRequestError(
                 f"{name}: token id {outside[0]} is not in the vocabulary [0, {vocab_size})",
                 param=name)
-    spec = structured_output(request)
+    spec = structured_output(request, fmt)
     if spec is not None:
-        param = "tools" if spec["kind"] == "tool_calls" else "response_format"
+        param = "tools" if spec["kind"].startswith("tool_call") else "response_format"
         _check_schema_bounds(spec["schema"], param)
         try:
             if spec["schema"]:
@@ -56,16 +57,19 @@ async def check_sampling(request: Request, vocab_size: int, max_n: int) -> None:
                                       param=param, code=UNSUPPORTED_SCHEMA) from None
 
 
-def structured_output(request: Request) -> dict[str, str] | None:
+def structured_output(request: Request, fmt: ToolFormat = ToolFormat.FAIRSERVE
+                      ) -> dict[str, str] | None:
     """The wire form of ``response_format``, or of a forced tool call (``tool_choice``
-    ``required`` or a named function: router/api/tools.py); None for free text."""
+    ``required`` or a named function) in the model's format (router/api/tools.py); None for
+    free text."""
     if isinstance(request, ChatCompletionRequest) and request.tool_mode not in ("none", "auto"):
         if request.response_format is not None and request.response_format.type != "text":
             raise InvalidRequestError("tool_choice: a forced tool call and a JSON "
                                       "response_format cannot both shape the answer",
                                       param="tool_choice")
         assert request.tools is not None
-        return {"kind": "tool_calls", "schema": json.dumps(calls_schema(
+        kind = "tool_call_blocks" if fmt is ToolFormat.HERMES else "tool_calls"
+        return {"kind": kind, "schema": json.dumps(calls_schema(
             request.tools, request.tool_mode, request.parallel_tool_calls))}
     form = request.response_format
     if isinstance(form, JsonObjectFormat):
@@ -75,7 +79,8 @@ def structured_output(request: Request) -> dict[str, str] | None:
     return None
 
 
-def sampling_wire(request: Request, max_tokens: int) -> dict[str, Any]:
+def sampling_wire(request: Request, max_tokens: int, fmt: ToolFormat = ToolFormat.FAIRSERVE
+                  ) -> dict[str, Any]:
     """The sampling parameters sent to the replica (plain JSON)."""
     if isinstance(request, ChatCompletionRequest):
         logprobs, top = request.logprobs, request.top_logprobs or 0
@@ -94,7 +99,7 @@ def sampling_wire(request: Request, max_tokens: int) -> dict[str, Any]:
         "stop_token_ids": list(request.stop_token_ids or []),
         "include_stop_str_in_output": request.include_stop_str_in_output,
         "skip_special_tokens": request.skip_special_tokens,
-        "structured_output": structured_output(request),
+        "structured_output": structured_output(request, fmt),
     }
     defaults = {"n": 1, "top_k": 0, "min_p": 0.0, "ignore_eos": False, "repetition_penalty": 1.0,
                 "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": [],

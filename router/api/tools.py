@@ -2,30 +2,36 @@
 that makes ``tool_choice`` ``required`` or a named function always parse, and the parser that
 turns the model's text into OpenAI's ``tool_calls``, whole or streamed.
 
-NOTE: the format. A model calls tools in the format it was trained on, which its chat template
-renders when the template knows tools. The default model's (SmolLM2-135M-Instruct) does not,
-so fairserve renders tools itself, in the format SmolLM2 was tuned on for function calling (and
-close to Hermes' and Qwen's): a system message lists the tools as JSON in ``<tools>...</tools>``,
-and a call is ``<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>``. An assistant
-message of the history that made calls is rendered in that format, a ``tool`` message as the
-template renders any role (ChatML: ``<|im_start|>tool``). The parser also takes one call
-object per ``<tool_call>`` block (Hermes, Qwen 2.5), so it reads both.
+NOTE: the formats. A model calls tools in the format it was trained on, chosen per model by
+``engine.tool_call_parser`` (``ToolFormat``):
+- ``hermes`` (Hermes 2 Pro/3, Qwen 2.5/3 and the models tuned on their data): a call is one
+  ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`` block, one block per call.
+  Their chat templates take ``tools`` and render the tools, past calls and results themselves:
+  they are given OpenAI's messages and the tools, so the prompt is the one the model learned.
+- ``fairserve``: the default model's (SmolLM2-135M-Instruct's template knows no tools, and it
+  was tuned on calls in this layout): fairserve's own system prompt lists the tools as JSON in
+  ``<tools>...</tools>``, and a call is ``<tool_call>[{"name": ..., "arguments": {...}},
+  ...]</tool_call>``, one block holding the array of calls. A ``tool`` message is rendered as
+  the template renders any role (ChatML: ``<|im_start|>tool``).
+The parser reads both (a block holding an array or one call object), whole or streamed.
 
-``required`` and a named function constrain decoding to ``<tool_call>`` + a JSON array of
-calls whose arguments match each tool's schema (llguidance, as for ``response_format``) +
-``</tool_call>``: the arguments always parse and validate. ``auto`` leaves the model free: a
-text answer, or a call (a block that does not parse stays text). ``none`` shows no tools.
+``required`` and a named function constrain decoding to the model's format with each call's
+arguments under its tool's schema (llguidance, as for ``response_format``): the arguments
+always parse and validate; at most ``MAX_FORCED_CALLS`` calls. ``auto`` leaves the model free:
+a text answer, or calls (a block that does not parse stays text). ``none`` shows no tools.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from replicas.grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from replicas.grammar import MAX_FORCED_CALLS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from router.api.openai_models import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
 from router.errors import TOOL_REFERENCE, InvalidRequestError
 
@@ -69,47 +75,110 @@ def _signature(tool: Tool) -> dict[str, Any]:
                                              "parameters": f.parameters}}
 
 
-def system_prompt(tools: Sequence[Tool], mode: str, parallel: bool) -> str:
-    """The tools and how to call them, for the system message."""
+class ToolFormat(enum.StrEnum):
+    """How a model writes its calls (``engine.tool_call_parser``)."""
+
+    FAIRSERVE = "fairserve"  # one block, a JSON array of calls: the default model's
+    HERMES = "hermes"  # one block per call object: Hermes 2 Pro/3, Qwen 2.5/3
+
+
+def takes_tools(template: str) -> bool:
+    """Whether a chat template renders the request's ``tools`` (it reads that variable)."""
+    return re.search(r"\btools\b", template) is not None
+
+
+def tool_format(parser: str, template: str | None) -> ToolFormat:
+    """The format ``engine.tool_call_parser`` names; ``auto``: Hermes' for a template that
+    takes tools and writes ``<tool_call>`` (it was trained on them), else fairserve's."""
+    if parser != "auto":
+        return ToolFormat(parser)
+    if template and takes_tools(template) and OPEN in template:
+        return ToolFormat.HERMES
+    return ToolFormat.FAIRSERVE
+
+
+def _example(fmt: ToolFormat, parallel: bool) -> str:
+    call = '{"name": "function_name", "arguments": {"argument": "value"}}'
+    if fmt is ToolFormat.HERMES:
+        many = "one block for each call" if parallel else "exactly one block"
+        return f"{many}, in this format and nothing else:\n{OPEN}\n{call}\n{CLOSE}\n"
+    many = "one or more function calls" if parallel else "exactly one function call"
+    return f"{many} in this format and nothing else:\n{OPEN}[{call}]{CLOSE}\n"
+
+
+def system_prompt(tools: Sequence[Tool], mode: str, parallel: bool,
+                  fmt: ToolFormat = ToolFormat.FAIRSERVE) -> str:
+    """The tools and how to call them, for the system message (a template that does not
+    render tools itself)."""
     listed = "\n".join(json.dumps(_signature(t)) for t in tools)
     if mode.startswith("function:"):
         rule = f"You must call the function {mode.split(':', 1)[1]}."
     elif mode == "required":
         rule = "You must call one or more of these functions."
-    else:
-        rule = ("If a function helps to answer, call it; otherwise answer in plain text.")
-    many = "one or more function calls" if parallel else "exactly one function call"
+    else:  # without the second half, a small model calls the same tool again every turn
+        rule = ("Call a function only if its result is not in the conversation yet; "
+                "otherwise answer in plain text.")
     return (f"You have access to the following functions:\n<tools>\n{listed}\n</tools>\n\n"
-            f"{rule} To call functions, answer with {many} in this format and nothing else:\n"
-            f'{OPEN}[{{"name": "function_name", "arguments": {{"argument": "value"}}}}]{CLOSE}\n'
+            f"{rule} To call functions, answer with {_example(fmt, parallel)}"
             "The results come back in messages of the role tool.")
 
 
-def template_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
-    """The request's messages as the chat template takes them: the tools' system prompt in
-    front (joined to the request's own system message, if it starts with one), past calls in
-    the call format."""
-    messages = [_message(m) for m in request.messages]
+@dataclass(slots=True)
+class ChatPrompt:
+    """What the chat template is given: the messages, and the tools for a template that
+    renders them itself."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+
+    def num_chars(self) -> int:
+        return len(json.dumps(self.messages)) + len(json.dumps(self.tools or []))
+
+
+def chat_prompt(request: ChatCompletionRequest, fmt: ToolFormat = ToolFormat.FAIRSERVE,
+                template_takes_tools: bool = False) -> ChatPrompt:
+    """The request's messages as the chat template takes them. A template that takes tools
+    gets OpenAI's messages (past calls with their arguments as objects, tool results with
+    their call's id) and the tools, and renders the prompt the model was trained on. Else
+    fairserve's tools prompt goes into the system message (joined to the request's own, if
+    it starts with one) and past calls are written in the model's format."""
     mode = request.tool_mode
-    if mode == "none":
-        return messages
-    assert request.tools is not None
-    prompt = system_prompt(request.tools, mode, request.parallel_tool_calls)
-    if messages and messages[0]["role"] in ("system", "developer"):
-        messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{prompt}"}
-    else:
-        messages.insert(0, {"role": "system", "content": prompt})
-    return messages
+    if template_takes_tools:
+        tools = [_signature(t) for t in request.tools or []] if mode != "none" else None
+        return ChatPrompt([_openai_message(m) for m in request.messages], tools)
+    messages: list[dict[str, Any]] = [_message(m, fmt) for m in request.messages]
+    if mode != "none":
+        assert request.tools is not None
+        prompt = system_prompt(request.tools, mode, request.parallel_tool_calls, fmt)
+        if messages and messages[0]["role"] in ("system", "developer"):
+            messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{prompt}"}
+        else:
+            messages.insert(0, {"role": "system", "content": prompt})
+    return ChatPrompt(messages)
 
 
-def _message(message: ChatMessage) -> dict[str, str]:
+def _message(message: ChatMessage, fmt: ToolFormat) -> dict[str, str]:
     if message.tool_calls:
         calls = [{"name": c.function.name, "arguments": _arguments_value(c.function.arguments)}
                  for c in message.tool_calls]
         text = message.text()
-        return {"role": "assistant",
-                "content": (f"{text}\n" if text else "") + f"{OPEN}{json.dumps(calls)}{CLOSE}"}
+        if fmt is ToolFormat.HERMES:
+            written = "\n".join(f"{OPEN}\n{json.dumps(c)}\n{CLOSE}" for c in calls)
+        else:
+            written = f"{OPEN}{json.dumps(calls)}{CLOSE}"
+        return {"role": "assistant", "content": (f"{text}\n" if text else "") + written}
     return {"role": message.role, "content": message.text()}
+
+
+def _openai_message(message: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.function.name, "arguments": _arguments_value(c.function.arguments)}}
+            for c in message.tool_calls]
+    if message.role == "tool":
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 def _arguments_value(arguments: str) -> Any:
@@ -130,8 +199,7 @@ def calls_schema(tools: Sequence[Tool], mode: str, parallel: bool) -> dict[str, 
                              "arguments": t.function.parameters}} for t in allowed]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": items[0] if len(items) == 1 else {"anyOf": items}}
-    if not parallel:
-        schema["maxItems"] = 1
+    schema["maxItems"] = MAX_FORCED_CALLS if parallel else 1
     return schema
 
 
@@ -316,14 +384,16 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 class _CallScanner:
-    """Reads a well-formed array of call objects as it streams (the grammar's output):
-    ``[{"name": "...", "arguments": {...}}, ...]``, the name before the arguments. Yields a
-    call's header when its name is complete and its arguments' text as it comes."""
+    """Reads a block's well-formed calls as they stream (the grammar's output): an array of
+    call objects ``[{"name": "...", "arguments": {...}}, ...]`` (fairserve's format) or one
+    call object (Hermes'), the name before the arguments. Yields a call's header when its name
+    is complete and its arguments' text as it comes."""
 
     def __init__(self) -> None:
         self.depth = 0  # brackets open: 1 inside the array, 2 inside a call
+        self.call_depth = 2  # the depth inside a call: 1 where the block is one call object
         self.in_string = self.escaped = False
-        self.key = ""  # the key of the value being read at depth 2
+        self.key = ""  # the key of the value being read inside a call
         self.reading_key = False
         self.token = ""  # a key's or the name's text so far
         self.in_arguments = False
@@ -397,19 +467,21 @@ class _CallScanner:
             return False
         if ch == '"':
             self.in_string, self.token = True, ""
-            if self.depth == 2 and self.key == "":
+            if self.depth == self.call_depth and self.key == "":
                 self.reading_key = True
         elif ch in "{[":
-            if self.depth == 2 and self.key == "arguments":
+            if self.depth == self.call_depth and self.key == "arguments":
                 self.in_arguments, self.arguments_depth = True, 1
                 return True
+            if self.depth == 0 and ch == "{":
+                self.call_depth = 1
             self.depth += 1
-            if self.depth == 2:
+            if self.depth == self.call_depth:
                 self.key = ""
         elif ch in "}]":
             self.depth -= 1
             self.key = ""
             self.done = self.depth == 0  # the array closed: the block's JSON ends here
-        elif ch == "," and self.depth == 2:
+        elif ch == "," and self.depth == self.call_depth:
             self.key = ""
         return False

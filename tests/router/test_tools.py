@@ -6,27 +6,34 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from replicas.grammar import GrammarError, check_grammar
+from replicas.engine.config import EngineConfig
+from replicas.grammar import MAX_FORCED_CALLS, GrammarError, check_grammar, grammar_for
+from replicas.model_info import describe_model
 from router.api.openai_models import ChatCompletionRequest
+from router.api.prompt_tokenizer import PromptTokenizer
 from router.api.routes import describe_validation_error
 from router.api.shaper import Shape, Shaper
 from router.api.tools import (
     CLOSE,
     OPEN,
     StreamingCalls,
+    ToolFormat,
     calls_schema,
+    chat_prompt,
     check_references,
     parse_calls,
-    template_messages,
+    tool_format,
 )
 from router.dispatch.response_events import ChunkData, EndData
 from router.errors import TOOL_REFERENCE, InvalidRequestError
 from router.telemetry.request_observer import PhaseTimes
 
+REPO = Path(__file__).resolve().parents[2]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -88,13 +95,73 @@ def test_the_prompt_lists_the_tools_and_renders_past_calls_and_results() -> None
             {"id": "call_1", "type": "function",
              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}])
-    messages = template_messages(request)
+    messages = chat_prompt(request).messages
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"]
     assert messages[0]["content"].startswith("Be brief.\n\n") and '"get_time"' in \
         messages[0]["content"]
     assert messages[2]["content"] == \
         f'{OPEN}[{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}]{CLOSE}'
-    assert template_messages(_request(tool_choice="none"))[0]["role"] == "user"
+    assert chat_prompt(_request(tool_choice="none")).messages[0]["role"] == "user"
+    # in Hermes' format (a model whose template does not render tools itself)
+    hermes = chat_prompt(request, ToolFormat.HERMES).messages
+    assert hermes[2]["content"] == \
+        f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n{CLOSE}'
+    assert f'{OPEN}\n{{"name": "function_name"' in hermes[0]["content"]
+
+
+def test_the_format_follows_the_parser_setting_and_the_template() -> None:
+    template = (REPO / "tests/fixtures/hermes_chat_template.jinja").read_text()
+    assert tool_format("auto", template) is ToolFormat.HERMES
+    assert tool_format("auto", "{{ messages }}") is ToolFormat.FAIRSERVE  # no tools in it
+    assert tool_format("auto", None) is ToolFormat.FAIRSERVE
+    assert tool_format("fairserve", template) is ToolFormat.FAIRSERVE
+    assert tool_format("hermes", None) is ToolFormat.HERMES
+
+
+@pytest.fixture(scope="module")
+def hermes_tokenizer() -> PromptTokenizer:
+    """The default model's tokenizer with a template in Qwen 2.5's layout
+    (engine.chat_template)."""
+    info = describe_model(EngineConfig(
+        chat_template=str(REPO / "tests/fixtures/hermes_chat_template.jinja")))
+    return PromptTokenizer(info)
+
+
+def test_a_template_that_takes_tools_renders_them_the_calls_and_the_results(
+        hermes_tokenizer: PromptTokenizer) -> None:
+    tokenizer = hermes_tokenizer
+    assert tokenizer.tool_format is ToolFormat.HERMES and tokenizer.template_takes_tools
+    request = _request(messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}])
+    chat = chat_prompt(request, tokenizer.tool_format, tokenizer.template_takes_tools)
+    text = tokenizer._hf.decode(tokenizer.encode_chat(chat.messages, chat.tools))
+    assert "<tools>\n" + json.dumps(WEATHER) in text  # the template's own tools section
+    assert "You have access to the following functions" not in text  # not fairserve's
+    assert (f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n{CLOSE}'
+            in text)
+    assert "<|im_start|>user\n<tool_response>\n18 C, sunny\n</tool_response><|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    plain = chat_prompt(_request(tool_choice="none"), tokenizer.tool_format, True)
+    assert plain.tools is None
+    assert "<tools>" not in tokenizer._hf.decode(tokenizer.encode_chat(plain.messages))
+
+
+def test_a_forced_call_in_hermes_blocks_compiles_and_is_refused_when_the_schema_cannot() -> None:
+    request = _request(tool_choice="required")
+    schema = json.dumps(calls_schema(request.tools, "required", True))
+    check_grammar("tool_call_blocks", schema)
+    grammar = grammar_for("tool_call_blocks", schema)
+    assert grammar.count('("\\n" block)?') == MAX_FORCED_CALLS - 1
+    one = json.dumps(calls_schema(request.tools, "required", False))
+    assert '("\\n" block)?' not in grammar_for("tool_call_blocks", one)
+    bad = _request(tool_choice="required", tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}}])
+    with pytest.raises(GrammarError):
+        check_grammar("tool_call_blocks", json.dumps(calls_schema(bad.tools, "required", True)))
 
 
 def test_a_whole_answer_parses_into_calls_or_stays_text() -> None:
@@ -136,6 +203,15 @@ def test_streamed_calls_are_the_whole_answers_calls_however_the_text_is_cut(forc
         cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 20)))
         content, calls = _streamed(text, forced, cuts)
         assert content == ("" if forced else "Let me check.")
+        assert calls == {i: (c.name, json.loads(c.arguments)) for i, c in enumerate(expected)}
+    # Hermes' blocks, one call object each, read the same
+    blocks = "\n".join(f"{OPEN}\n{json.dumps({'name': c.name, 'arguments': json.loads(c.arguments)})}"
+                       f"\n{CLOSE}" for c in expected)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(blocks)), rng.randint(0, 20)))
+        prefix = "" if forced else "Let me check."
+        content, calls = _streamed(prefix + blocks, forced, [c + len(prefix) for c in cuts])
+        assert content == prefix
         assert calls == {i: (c.name, json.loads(c.arguments)) for i, c in enumerate(expected)}
     # a string may hold anything, the closing tag too (a forced call sampled at temperature 1
     # wrote one into a "notes" argument): the block ends where its brackets close

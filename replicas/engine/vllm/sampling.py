@@ -109,8 +109,9 @@ def structured_constraint(spec: StructuredOutput | None) -> dict[str, Any] | Non
         return None
     if spec.kind is GuideKind.JSON_OBJECT:
         return {"json_object": True}
-    if spec.kind is GuideKind.TOOL_CALLS:  # a forced tool call: the Lark grammar llguidance
-        try:                               # takes (vLLM's `guidance` backend; untested here)
+    if spec.kind in (GuideKind.TOOL_CALLS, GuideKind.TOOL_CALL_BLOCKS):
+        # a forced tool call: the Lark grammar llguidance takes (vLLM's `guidance` backend;
+        try:  # untested here)
             return {"grammar": grammar_for(spec.kind.value, spec.schema)}
         except GrammarError as exc:
             raise InvalidRequestError(f"tools: {exc}", "tools") from exc
