@@ -71,6 +71,9 @@ class RequestObserver:
                 "gen_ai.request.temperature": body.temperature,
                 "gen_ai.request.top_p": body.top_p,
             })
+            if isinstance(body, ChatCompletionRequest) and body.tools:
+                self.span.set_attributes({"fairserve.tools.count": len(body.tools),
+                                          "fairserve.tool_choice": body.tool_mode})
 
     def admitted(self, tenant_id: str, request_id: str, max_tokens: int) -> None:
         self.tenant = tenant_id

@@ -2,7 +2,8 @@
 OpenAI's Agents SDK, unmodified: a conversation chained by ``previous_response_id``, streamed
 and not; a function call and its output sent back; stored responses read and deleted, and
 another tenant's not found; an agent with two Python function tools completes a run (its
-model picks and calls the tool; the run ends with the tool's answer)."""
+model picks and calls the tool; the run ends with the tool's answer, or with the model's own
+words after the tool's result)."""
 
 from __future__ import annotations
 
@@ -83,18 +84,18 @@ def test_stored_responses_are_the_tenants_own_and_can_be_deleted(e2e: E2ECluster
         mine.responses.retrieve(made.id)
 
 
-def test_an_agent_with_two_function_tools_completes_a_run(e2e: E2ECluster) -> None:
+def _agent(e2e: E2ECluster, calls: list[str], **settings: object) -> object:
+    """An agent of OpenAI's Agents SDK on fairserve's Responses API with two Python function
+    tools, each recording its call in ``calls``."""
     from agents import (
         Agent,
         ModelSettings,
         OpenAIResponsesModel,
-        Runner,
         function_tool,
         set_tracing_disabled,
     )
 
     set_tracing_disabled(True)  # nothing leaves this machine
-    calls: list[str] = []
 
     @function_tool
     def get_weather(city: str) -> str:
@@ -108,14 +109,37 @@ def test_an_agent_with_two_function_tools_completes_a_run(e2e: E2ECluster) -> No
         calls.append(f"time:{timezone}")
         return "12:00"
 
+    behavior = settings.pop("tool_use_behavior", "run_llm_again")
     model = OpenAIResponsesModel(model=MODEL, openai_client=e2e.async_client())
-    # the tool's answer is the agent's: a 135M model, left to choose after a tool result,
-    # calls the tool again more often than it answers
-    agent = Agent(name="assistant", instructions="You answer questions using the tools.",
-                  tools=[get_weather, get_time], model=model,
-                  tool_use_behavior="stop_on_first_tool",
-                  model_settings=ModelSettings(tool_choice="required", temperature=0,
-                                               max_tokens=60))
+    return Agent(name="assistant", instructions="You answer questions using the tools.",
+                 tools=[get_weather, get_time], model=model, tool_use_behavior=behavior,
+                 model_settings=ModelSettings(**settings))
+
+
+def test_an_agent_with_two_function_tools_completes_a_run(e2e: E2ECluster) -> None:
+    from agents import Runner
+
+    calls: list[str] = []
+    # the tool's answer is the agent's
+    agent = _agent(e2e, calls, tool_use_behavior="stop_on_first_tool", tool_choice="required",
+                   temperature=0, max_tokens=60)
     result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=3))
     assert len(calls) == 1 and calls[0].startswith("weather:"), calls
     assert result.final_output == f"18 degrees and sunny in {calls[0].split(':', 1)[1]}"
+
+
+def test_an_agent_run_ends_in_the_models_own_answer_after_its_tool(e2e: E2ECluster) -> None:
+    """The SDK's default loop: a required first call, its result sent back, ``tool_choice``
+    reset to auto, and the model answers in its own words (it does not call the tool
+    again: fairserve's tools prompt asks for a call only while its result is missing)."""
+    from agents import Runner
+    from agents.items import MessageOutputItem, ToolCallOutputItem
+
+    calls: list[str] = []
+    agent = _agent(e2e, calls, tool_choice="required", temperature=0, max_tokens=60)
+    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
+    assert len(calls) == 1 and calls[0].startswith("weather:"), calls
+    kinds = [type(item) for item in result.new_items]
+    assert ToolCallOutputItem in kinds and kinds[-1] is MessageOutputItem, kinds
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+    assert "<tool_call>" not in result.final_output

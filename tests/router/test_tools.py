@@ -252,3 +252,27 @@ def test_the_shaper_answers_with_tool_calls_whole_and_streamed() -> None:
         args[d["index"]] = args.get(d["index"], "") + d["function"]["arguments"]
     assert [json.loads(a) for a in args.values()] == [
         json.loads(c["function"]["arguments"]) for c in message["message"]["tool_calls"]]
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({}, {"fairserve.tools.count": 2, "fairserve.tool_choice": "auto"}),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     {"fairserve.tools.count": 2, "fairserve.tool_choice": "function:get_time"}),
+    ({"tools": None}, {}),
+])
+def test_the_request_span_names_the_tools_and_the_choice(fields: dict, expected: dict) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from router.telemetry.metrics import MetricsStore
+    from router.telemetry.request_observer import RequestObserver
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with provider.get_tracer("t").start_as_current_span("request"):
+        RequestObserver(MetricsStore(), _request(**fields))
+    (span,) = exporter.get_finished_spans()
+    tools = {k: v for k, v in span.attributes.items() if k.startswith("fairserve.tool")}
+    assert tools == expected
