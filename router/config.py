@@ -30,6 +30,11 @@ class QueueSettings(BaseModel):
         description="how long an ended request can still be read (resume, Idempotency-Key "
         "replay): its record and its stream expire together then; an Idempotency-Key is "
         "remembered 24 h, so a later retry gets a 409, never a second run")
+    usage_retention_days: int = Field(
+        keys.USAGE_RETENTION_DAYS, ge=0, le=800,
+        description="how long the hourly usage records per tenant and model are kept "
+        "(fs:{t}:usage:<hour>: requests, prompt, cached and completion tokens, queue and engine "
+        "ms, errors, refusals; `fairserve usage`); 0: none are written")
     replicas_to_ack: int = Field(
         0, ge=0, le=16,
         description="Redis replicas that must hold an admission before the client is told it "

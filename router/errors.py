@@ -3,6 +3,11 @@ the HTTP layer); ``status`` and ``code`` here say which."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.state.rate_limits import RateLimits
+
 # 400 codes of the rules the OpenAPI document cannot state: they depend on the prompt's tokens,
 # on the tenant, on the grammar compiler, or compare two fields
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's own code
@@ -105,11 +110,19 @@ class RateLimitError(RouterError):
     status = 429
     type = "rate_limit_error"
 
-    def __init__(self, message: str, reason: str, retry_after_s: float) -> None:
+    def __init__(self, message: str, reason: str, retry_after_s: float,
+                 limits: RateLimits | None = None) -> None:
         super().__init__(message)
         self.code = reason
         self.reason = reason
         self.retry_after_s = retry_after_s
+        self.limits = limits  # the tenant's limiters when it was refused
+
+    def headers(self, later_s: float = 0.0) -> dict[str, str]:
+        """The tenant's rate-limit headers (x-ratelimit-*), ``later_s`` after the refusal."""
+        if self.limits is None:
+            return {}
+        return self.limits.later(later_s * 1000).headers()
 
 
 class StoredDataError(RouterError):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class RequestState(enum.StrEnum):
@@ -76,6 +76,8 @@ class Admission:
     state: RequestState
     is_duplicate: bool  # the id was known: this is the existing request, not a second copy
     queue_depth: int | None  # the tenant's queue length after the push (new requests only)
+    # the tenant's rate-limit headers after it (router/state/rate_limits.py; new requests only)
+    rate_limit_headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

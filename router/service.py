@@ -103,6 +103,8 @@ class Submission:
     queue_depth: int | None
     shape: Shape  # what its responses look like (stored with it: router/api/shaper.py)
     reader: Reader  # the client's, attached (the caller detaches it: RouterService.detach)
+    # x-ratelimit-* of the tenant after its admission (router/state/rate_limits.py)
+    rate_limit_headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +157,8 @@ class RouterService:
         self.client = client
         self.api = options.api
         self.tracing = options.tracing
-        scripts = Scripts(client, resume_window_s=options.queues.resume_window_s)
+        scripts = Scripts(client, resume_window_s=options.queues.resume_window_s,
+                          usage_retention_days=options.queues.usage_retention_days)
         self.known_keys = KnownKeys()  # the tenant gate's: keys that authenticated here
         self.api_keys = ApiKeys(scripts, self.known_keys)
         self.queues = TenantQueues(scripts, options.queues)
@@ -308,7 +311,8 @@ class RouterService:
             model.dispatcher.wake()
             await self.client.publish(keys.wake_channel(), b"1")
         return Submission(principal.tenant_id, request_id, len(prompt_ids), max_tokens,
-                          admission.is_duplicate, admission.queue_depth, shape, reader)
+                          admission.is_duplicate, admission.queue_depth, shape, reader,
+                          admission.rate_limit_headers)
 
     async def _prompt_ids(self, request: ChatCompletionRequest | CompletionRequest,
                           model: _Model) -> tuple[list[int], str]:

@@ -590,14 +590,15 @@ async def _create(service: Any, body: ResponsesRequest, authorization: str | Non
     if body.stream:
         return StreamingResponse(
             _stream(service, submission, shaper, skeleton, observer, save, raise_if_failed),
-            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", **submission.rate_limit_headers})
     try:
         async for item, _, phases in _answer(service, submission, shaper, observer):
             if isinstance(item, EndData):
                 raise_if_failed(item)
                 response, kept = finished(skeleton, shaper.final(item, phases), item)
                 await save(response, kept)
-                return JSONResponse(response)
+                return JSONResponse(response, headers=submission.rate_limit_headers)
     finally:
         await service.detach(submission.reader)
     raise RouterError("the response stream ended without its terminal event")

@@ -213,15 +213,17 @@ async def _respond(service: RouterService, body: ChatCompletionRequest | Complet
         await asyncio.shield(service.detach(reader))
         raise
     observer.admitted(submission.tenant_id, submission.request_id, submission.max_tokens)
-    return await _reply(service, reader, shape, observer, body.stream, point)
+    return await _reply(service, reader, shape, observer, body.stream, point,
+                        submission.rate_limit_headers)
 
 
 async def _reply(service: RouterService, reader: Reader, shape: Shape,
-                 observer: RequestObserver, stream: bool, point: ReadPoint) -> Any:
+                 observer: RequestObserver, stream: bool, point: ReadPoint,
+                 rate_limit_headers: dict[str, str] | None = None) -> Any:
     """The answer to an attached ``reader``, streamed or whole; the reader is detached when
     it ends, however it ends (``_ReaderStream`` for a stream)."""
     shaper = Shaper(shape, service.model_named(shape.base).tokenizer.piece)
-    headers = {"X-Fairserve-Request-Id": shape.request_id}
+    headers = {"X-Fairserve-Request-Id": shape.request_id, **(rate_limit_headers or {})}
     if stream:
         return _ReaderStream(service, reader,
                              _sse(service, reader.tenant_id, shaper, observer, point),
@@ -380,6 +382,7 @@ def error_response(exc: RouterError) -> JSONResponse:
         headers["Retry-After"] = str(max(1, int(-(-retry_after // 1))))  # whole seconds, up
         if isinstance(exc, RateLimitError):
             headers["X-RateLimit-Reason"] = exc.reason
+            headers.update(exc.headers())
     return JSONResponse(_error_body(exc), status_code=exc.status, headers=headers)
 
 

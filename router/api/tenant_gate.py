@@ -61,19 +61,22 @@ class KnownKeys:
     def __init__(self) -> None:
         self._tenants: collections.OrderedDict[str, tuple[str, float]] = (
             collections.OrderedDict())  # key digest -> (tenant, when learned, monotonic s)
-        self._refusals: dict[str, tuple[float, RateLimitError]] = {}  # tenant -> (until, why)
+        # tenant -> (until, why, when: monotonic s)
+        self._refusals: dict[str, tuple[float, RateLimitError, float]] = {}
 
     def refused(self, tenant_id: str, refusal: RateLimitError) -> None:
         """No request of ``tenant_id`` can be admitted before ``refusal.retry_after_s`` (its
         rpm, tpm or daily budget is used up: the quota check before admission says)."""
-        self._refusals[tenant_id] = (
-            time.monotonic() + min(refusal.retry_after_s, REFUSAL_MEMORY_S), refusal)
+        now = time.monotonic()
+        self._refusals[tenant_id] = (now + min(refusal.retry_after_s, REFUSAL_MEMORY_S),
+                                     refusal, now)
         if len(self._refusals) > MAX_KNOWN_KEYS:
             now = time.monotonic()
             self._refusals = {t: r for t, r in self._refusals.items() if r[0] > now}
 
-    def refusal(self, tenant_id: str) -> tuple[float, RateLimitError] | None:
-        """The quota refusal of ``tenant_id`` still running: seconds left and the refusal."""
+    def refusal(self, tenant_id: str) -> tuple[float, RateLimitError, float] | None:
+        """The quota refusal of ``tenant_id`` still running: seconds left, the refusal, and
+        seconds since it was made."""
         found = self._refusals.get(tenant_id)
         if found is None:
             return None
@@ -81,7 +84,7 @@ class KnownKeys:
         if left <= 0:
             del self._refusals[tenant_id]
             return None
-        return left, found[1]
+        return left, found[1], time.monotonic() - found[2]
 
     def learn(self, key_digest: str, tenant_id: str) -> None:
         """The key of digest ``key_digest`` (``api_keys.digest``) proved to be ``tenant_id``'s
@@ -140,9 +143,9 @@ class TenantGate:
             return
         refusal = None if is_retry or scope["method"] != "POST" else self.known.refusal(tenant)
         if refusal is not None:  # a retry may join a request admitted before: let it through
-            left_s, error = refusal
+            left_s, error, since_s = refusal  # its limits' resets moved on by the time since
             await _refuse(send, error.reason, str(error).split(";")[0],
-                          self.paced(tenant, left_s))
+                          self.paced(tenant, left_s), error.headers(since_s))
             return
 
         async def paced_send(message: Message) -> None:
@@ -163,12 +166,14 @@ class TenantGate:
                 del self.inside[tenant]
 
 
-async def _refuse(send: Send, code: str, message: str, retry_after: int) -> None:
-    """A 429 in OpenAI's shape, with Retry-After (whole seconds)."""
+async def _refuse(send: Send, code: str, message: str, retry_after: int,
+                  extra: dict[str, str] | None = None) -> None:
+    """A 429 in OpenAI's shape, with Retry-After (whole seconds) and ``extra`` headers."""
     body = json.dumps({"error": {
         "message": f"{message}; retry after {retry_after} s", "type": "rate_limit_error",
         "param": None, "code": code}}).encode()
     await send({"type": "http.response.start", "status": 429, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        (b"retry-after", str(retry_after).encode()), (b"x-ratelimit-reason", code.encode())]})
+        (b"retry-after", str(retry_after).encode()), (b"x-ratelimit-reason", code.encode()),
+        *((k.encode(), v.encode()) for k, v in (extra or {}).items())]})
     await send({"type": "http.response.body", "body": body})

@@ -77,6 +77,8 @@ READER_RETRY_MS = 1_000  # Retry-After of a request refused for its tenant's ope
 # could take a router's CPU many times over (a retry and a resume or two is what a client needs)
 MAX_READERS_PER_REQUEST = 8
 MAX_ADAPTERS = 10_000  # LoRA adapters registered at run time (fs:adapters)
+USAGE_RETENTION_DAYS = 35  # usage records (fs:{t}:usage:<hour>): queues.usage_retention_days
+HOUR_MS = 3_600_000
 STREAM_MAX_EVENTS = 100_000  # approximate cap (XADD MAXLEN ~) on one request's stream
 
 _TEMPLATES: dict[str, str] = {
@@ -112,6 +114,7 @@ _TEMPLATES: dict[str, str] = {
     "pools": PREFIX + ":{sched}:pools",
     "response": PREFIX + ":{%s}:resp:%s",
     "responses": PREFIX + ":{%s}:resps",
+    "usage": PREFIX + ":{%s}:usage:%s",
 }
 
 # What every script is compiled with: the templates, and the TTLs and limits it applies.
@@ -126,6 +129,7 @@ SCRIPT_CONSTANTS: dict[str, str | int] = {
     "reader_retry_ms": READER_RETRY_MS,
     "max_readers_per_request": MAX_READERS_PER_REQUEST,
     "max_adapters": MAX_ADAPTERS,
+    "usage_ttl_s": USAGE_RETENTION_DAYS * 86_400,
 }
 
 
@@ -195,6 +199,12 @@ def stream(tenant_id: str, request_id: str) -> str:
 
 def idempotency(tenant_id: str, request_id: str) -> str:
     return _TEMPLATES["idempotency"] % (check_tenant_id(tenant_id), check_request_id(request_id))
+
+
+def usage(tenant_id: str, hour: int) -> str:
+    """One tenant's usage record of one UTC hour (``hour``: ms since the epoch // HOUR_MS):
+    a hash of ``<model>|<counter>`` (router/state/usage.py)."""
+    return _TEMPLATES["usage"] % (check_tenant_id(tenant_id), hour)
 
 
 def budget(tenant_id: str, day: int) -> str:

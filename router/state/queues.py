@@ -73,6 +73,7 @@ from router.messages import (
 )
 from router.state import keys
 from router.state.adapters import model_not_found
+from router.state.rate_limits import RateLimits
 from router.state.scripts import Script, Scripts
 
 logger = logging.getLogger(__name__)
@@ -352,7 +353,8 @@ def _check_lease(lease: Lease, reply: list[Any]) -> None:
 def _admission(request: AdmitRequest, reply: list[Any]) -> Admission:
     verdict = reply[0].decode()
     if verdict == "admitted":
-        return Admission(request.request_id, RequestState.QUEUED, False, int(reply[1]))
+        headers = RateLimits.from_reply(reply[2]).headers() if len(reply) > 2 else {}
+        return Admission(request.request_id, RequestState.QUEUED, False, int(reply[1]), headers)
     if verdict == "duplicate":
         return Admission(request.request_id, RequestState(reply[1].decode()), True, None)
     if verdict == "expired":
@@ -382,18 +384,21 @@ def _admission(request: AdmitRequest, reply: list[Any]) -> Admission:
         )
     if reason == "disabled":
         raise PermissionDeniedError("tenant is disabled", param="tenant")
-    _refuse(reason, int(reply[2]))
+    limits = RateLimits.from_reply(reply[3]) if len(reply) > 3 else None
+    _refuse(reason, int(reply[2]), limits)
 
 
-def _refuse(reason: str, retry_after_ms: int) -> NoReturn:
-    raise refusal(reason, retry_after_ms)
+def _refuse(reason: str, retry_after_ms: int, limits: RateLimits | None = None) -> NoReturn:
+    raise refusal(reason, retry_after_ms, limits)
 
 
-def refusal(reason: str, retry_after_ms: int) -> RateLimitError:
-    """The 429 of a refusal ``reason`` (admit.lua's, readers.lua's, or the quota check's)."""
+def refusal(reason: str, retry_after_ms: int, limits: RateLimits | None = None
+            ) -> RateLimitError:
+    """The 429 of a refusal ``reason`` (admit.lua's, readers.lua's, or the quota check's),
+    with the tenant's limiters for its rate-limit headers."""
     retry_after_s = retry_after_ms / 1000
     return RateLimitError(f"{_REFUSAL_MESSAGES[reason]}; retry after {retry_after_s:.3f} s",
-                          reason, retry_after_s)
+                          reason, retry_after_s, limits)
 
 
 def _grant(holder: str, g: list[Any]) -> Grant:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 from router.state.queues import refusal
+from router.state.rate_limits import RateLimits
 
 WINDOW_MS = 60_000
 DAY_MS = 86_400_000
@@ -50,4 +51,6 @@ def refuse_if_exhausted(limits: list[bytes | None], tats: list[bytes | None],
         waits.append(((math.floor(now_ms / DAY_MS) + 1) * DAY_MS - now_ms, "daily_budget"))
     if waits:
         wait, reason = max(waits)
-        raise refusal(reason, math.ceil(wait))  # the admission's own message and reason
+        limits = RateLimits(now_ms, rpm, rpm_tat, tpm, tpm_tat, daily, used)
+        # the admission's own message, reason and headers
+        raise refusal(reason, math.ceil(wait), limits)

@@ -75,12 +75,15 @@ class Scripts:
     """Runs fairserve's scripts on one async Redis client."""
 
     def __init__(self, client: aioredis.Redis, clock: Clock = None,
-                 resume_window_s: int = keys.RESUME_WINDOW_S) -> None:
+                 resume_window_s: int = keys.RESUME_WINDOW_S,
+                 usage_retention_days: int = keys.USAGE_RETENTION_DAYS) -> None:
         """``resume_window_s``: how long an ended request's record and stream are kept (the
-        scripts that end requests write it; ``queues.resume_window_s``)."""
+        scripts that end requests write it; ``queues.resume_window_s``);
+        ``usage_retention_days``: how long usage records are kept (0: none written)."""
         self.client = client
         self.clock = clock
-        overrides = {"resume_window_s": resume_window_s}
+        overrides = {"resume_window_s": resume_window_s,
+                     "usage_ttl_s": usage_retention_days * 86_400}
         self._sources = {script: script_source(script, overrides) for script in Script}
         self._shas: dict[Script, str] = {}
 

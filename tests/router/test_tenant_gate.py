@@ -158,7 +158,7 @@ def test_authentication_teaches_the_gate_keys_and_quota_refusals(redis_url) -> N
             await h.queues.admit(make_request("acme", "r1", prompt_tokens=1, max_tokens=1))
             with pytest.raises(RateLimitError):
                 await api_keys.authenticate(secret, for_admission=True)
-            left_s, refusal = known.refusal("acme")
+            left_s, refusal, _ = known.refusal("acme")
             assert refusal.reason == "rpm" and 0 < left_s <= REFUSAL_MEMORY_S
             assert refusal.retry_after_s > REFUSAL_MEMORY_S  # the rpm window's: remembered less
 

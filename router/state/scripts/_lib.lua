@@ -80,6 +80,20 @@ end
 
 local function stat(t, name, by) redis.call('HINCRBY', key('stats', t), name, by or 1) end
 
+-- ---- usage records (router/state/usage.py): per tenant, UTC hour and model ----
+-- fs:{t}:usage:<hour> is a hash of '<model>|<counter>' -> count, kept K.usage_ttl_s (0: none
+-- written). Written by the scripts that admit and end requests: no round trip of its own.
+local function usage(t, model, counts)
+  local ttl = tonumber(K.usage_ttl_s)
+  if ttl <= 0 then return end
+  local uk = key('usage', t, math.floor(clock_ms() / 3600000))
+  local prefix = (model or '') .. '|'
+  for name, by in pairs(counts) do
+    if by ~= 0 then redis.call('HINCRBY', uk, prefix .. name, math.floor(by + 0.5)) end
+  end
+  redis.call('EXPIRE', uk, ttl)
+end
+
 -- ---- pools: each model's own queues (its replicas serve only it) ----
 -- A request waits in the pool of its model: the default model's pool is '' and its keys and
 -- fields are named as they always were; another model's end in ':<pool>' (the pool's name is
@@ -242,10 +256,13 @@ local function end_unserved(t, rid, tenant, r, new_state, reason, now)
   end_stream(t, rid, new_state == 'dead' and 'error' or 'end',
              cjson.encode({outcome = new_state, reason = reason}), K.resume_window_s)
   stat(t, new_state)
+  local served = used > 0 and tonumber(redis.call('HGET', rk, 'prompt_tokens') or '0') or 0
+  usage(t, r.model, {requests = 1, [new_state] = 1, prompt_tokens = served,
+                     completion_tokens = streamed})
 end
 
 local REQUEST_FIELDS = {'state', 'holder', 'deliveries', 'cost', 'reserved', 'day', 'cancel',
-                        'writer', 'forgiven', 'pool'}
+                        'writer', 'forgiven', 'pool', 'model'}
 
 local function load_request(t, rid)
   local v = redis.call('HMGET', key('request', t, rid), unpack(REQUEST_FIELDS))

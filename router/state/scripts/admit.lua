@@ -13,12 +13,13 @@
 --   tenant's `models` (a comma-separated allow-list) is absent or lists it, 15 the pool (the
 --   model's queues; "" or absent: the default model's) the request waits in: max_queued counts
 --   the tenant's requests in that pool.
--- Returns one of
---   {"admitted", queue depth after the push}
+-- Returns one of (L: the tenant's limiters after the verdict, for the rate-limit headers:
+--   {rpm, rpm TAT, tpm, tpm TAT, daily_tokens, tokens used today, now ms}, "" where no limit)
+--   {"admitted", queue depth after the push, L}
 --   {"duplicate", state}                  the id is known and its body is the same: no second copy
 --   {"conflict", state}                   the id is known with another body
 --   {"expired"}                           the id's request ended and its record expired
---   {"refused", reason, retry-after ms}   reason: disabled, queue_full, streams, rpm, tpm,
+--   {"refused", reason, retry-after ms, L} reason: disabled, queue_full, streams, rpm, tpm,
 --                                         daily_budget
 --   {"too_large", reason, limit}          the request alone exceeds max_tokens, tpm or daily_budget
 --   {"model"}                             the tenant may not use that model
@@ -101,9 +102,15 @@ end
 if tenant.daily_tokens and used + reserved > tenant.daily_tokens then
   refuse('daily_budget', (day + 1) * DAY_MS - now)
 end
+local function limiters(rpm_at, tpm_at, used_now)
+  return {tenant.rpm and fmt(tenant.rpm) or '', fmt(rpm_at), tenant.tpm and fmt(tenant.tpm) or '',
+          fmt(tpm_at), tenant.daily_tokens and fmt(tenant.daily_tokens) or '', fmt(used_now),
+          fmt(now)}
+end
 if reason then
   stat(t, 'refused_' .. reason)
-  return {'refused', reason, math.ceil(retry_ms)}
+  usage(t, model, {['refused_' .. reason] = 1})
+  return {'refused', reason, math.ceil(retry_ms), limiters(rpm_tat, tpm_tat, used)}
 end
 
 if new_rpm_tat then redis.call('HSET', sk, 'rpm_tat', fmt(new_rpm_tat)) end
@@ -115,6 +122,7 @@ redis.call('HSET', rk, 'tenant', t, 'id', rid, 'state', 'queued', 'body', body, 
            'cost', prompt + choices * expected, 'reserved', reserved, 'day', day, 'priority', tenant.priority,
            'created_ms', now, 'deliveries', 0, 'cancel', 0)
 if pool ~= '' then redis.call('HSET', rk, 'pool', pool) end
+if model ~= '' then redis.call('HSET', rk, 'model', model) end
 local depth = redis.call('RPUSH', queue_key(t, pool), rid)
 queued_cost(t, prompt + choices * expected, pool)
 redis.call('HSET', rk, 'admit_depth', depth)
@@ -122,4 +130,5 @@ mark_ready(t, tenant.priority, pool)
 stat(t, 'admitted')
 if reader ~= '' then attach_reader(t, rid, tenant, reader, 'stream', tonumber(ARGV[12])) end
 if ik then redis.call('SET', ik, digest, 'EX', K.idempotency_ttl_s) end
-return {'admitted', depth}
+return {'admitted', depth, limiters(new_rpm_tat or rpm_tat, new_tpm_tat or tpm_tat,
+                                    used + reserved)}

@@ -14,6 +14,25 @@
 --   or {"gap", output tokens in the stream} when the stream holds fewer than it must (a Redis
 --   failover lost its last chunks: the caller has them made again); in both nothing about
 --   that request changes.
+-- A served request's usage counts, from its terminal event (cached tokens, phase times).
+local function served_usage(event, outcome, prompt_used, output_used)
+  local ok, e = pcall(cjson.decode, event)
+  if not ok or type(e) ~= 'table' then e = {} end
+  local tm = type(e.timings) == 'table' and e.timings or {}
+  local function span_ms(from, to)
+    local a, b = tonumber(tm[from]), tonumber(tm[to])
+    if a and b and b > a then return (b - a) * 1000 end
+    return 0
+  end
+  local counts = {requests = 1, prompt_tokens = prompt_used, completion_tokens = output_used,
+                  cached_tokens = tonumber(e.cached_tokens) or 0,
+                  queue_ms = span_ms('admitted_s', 'granted_s'),
+                  engine_ms = span_ms('arrived_s', 'finished_s')}
+  if outcome == 'cancelled' then counts.cancelled = 1 end
+  if type(e.error) == 'table' then counts.failed = 1 end
+  return counts
+end
+
 local n = tonumber(ARGV[2])
 local now_s = fmt(clock_ms())
 local tenants, deltas, counts, replies = {}, {}, {}, {}
@@ -48,6 +67,7 @@ for i = 0, n - 1 do
     count(counts, t, outcome)
     count(counts, t, 'prompt_tokens', prompt_used)
     count(counts, t, 'output_tokens', output_used)
+    usage(t, r.model, served_usage(ARGV[b + 8], outcome, prompt_used, output_used))
   end
 end
 for t, pools in pairs(deltas) do
