@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.errors import ClusterStartError
 from cluster.tenants_cli import add_tenants_parser
+from cluster.usage_cli import add_usage_parser
 from router.state.redis_client import RedisNotReadyError
 
 if TYPE_CHECKING:
@@ -240,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                      "seconds, to measure rates) and exit")
     top.set_defaults(func=_top)
     add_tenants_parser(sub)
+    add_usage_parser(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

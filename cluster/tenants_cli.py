@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -33,6 +34,9 @@ from router.state.api_keys import ApiKeys, digest, new_key
 from router.state.redis_client import connect, with_env_password
 from router.state.scripts import Scripts
 from router.state.tenants import Tenant, TenantStore, load_tenants, load_tenants_file, validated
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
 
 # the settings tree's variable first (what a Ray pod of the Helm chart has), then the older name
 REDIS_URL_ENVS = ("FAIRSERVE_REDIS__URL", "FAIRSERVE_REDIS_URL")
@@ -66,7 +70,7 @@ def add_tenants_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     """Registers ``fairserve tenants ...`` on the top-level subparsers."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--redis-url", default=_default_redis_url(),
+        "--redis-url", default=default_redis_url(),
         help="the Redis the routers share (default: $FAIRSERVE_REDIS__URL, else the Redis of the "
         f"`fairserve up` running from this directory, else {DEFAULT_REDIS_URL}); the password "
         "may come from $FAIRSERVE_REDIS__PASSWORD or the file $FAIRSERVE_REDIS__PASSWORD_FILE",
@@ -135,7 +139,7 @@ def _add_adapters_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
     remove.add_argument("name", metavar="NAME")
 
 
-def _default_redis_url() -> str:
+def default_redis_url() -> str:
     for name in REDIS_URL_ENVS:
         if os.environ.get(name):
             return os.environ[name]
@@ -224,8 +228,15 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_tenants_command(args: argparse.Namespace) -> int:
+    return run_with_redis(args, functools.partial(_as_admin, args))
+
+
+def run_with_redis(args: argparse.Namespace,
+                   body: Callable[[aioredis.Redis], Awaitable[int]]) -> int:
+    """Runs ``body`` on a client of ``args.redis_url``; a refusal or an unreachable Redis is an
+    error line and exit status 1."""
     try:
-        return asyncio.run(_with_admin(args))
+        return asyncio.run(_with_client(args, body))
     except RouterError as exc:
         return _fail(exc.message)
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
@@ -234,7 +245,8 @@ def run_tenants_command(args: argparse.Namespace) -> int:
         return _fail(f"Redis at {redacted_url(args.redis_url)} answered an error: {exc}")
 
 
-async def _with_admin(args: argparse.Namespace) -> int:
+async def _with_client(args: argparse.Namespace,
+                       body: Callable[[aioredis.Redis], Awaitable[int]]) -> int:
     try:
         client = connect(with_env_password(args.redis_url),
                          socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
@@ -243,14 +255,18 @@ async def _with_admin(args: argparse.Namespace) -> int:
             f"invalid --redis-url {redacted_url(args.redis_url)!r}: {exc}", param="redis_url"
         ) from None
     try:
-        scripts = Scripts(client)
-        handler: Command = args.handler
-        # the CLI knows no settings: a name the settings give an adapter wins over one added
-        # here, and an adapter of a base model the cluster does not serve is never resolved
-        adapters = AdapterRegistry(client, {})
-        return await handler(Admin(TenantStore(scripts), ApiKeys(scripts), adapters), args)
+        return await body(client)
     finally:
         await client.aclose()
+
+
+async def _as_admin(args: argparse.Namespace, client: aioredis.Redis) -> int:
+    scripts = Scripts(client)
+    handler: Command = args.handler
+    # the CLI knows no settings: a name the settings give an adapter wins over one added
+    # here, and an adapter of a base model the cluster does not serve is never resolved
+    adapters = AdapterRegistry(client, {})
+    return await handler(Admin(TenantStore(scripts), ApiKeys(scripts), adapters), args)
 
 
 def _fail(message: str) -> int:

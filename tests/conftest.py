@@ -57,3 +57,10 @@ def redis_client(redis_server):
     client.flushall()
     yield client
     client.close()
+
+
+@pytest.fixture
+def redis_url(redis_client) -> str:
+    """URL of the session's redis-server, flushed for this test."""
+    kwargs = redis_client.connection_pool.connection_kwargs
+    return f"redis://{kwargs['host']}:{kwargs['port']}/0"

@@ -19,13 +19,6 @@ from router.state.tenants import Tenant
 from tests.router.factories import harness, run
 
 
-@pytest.fixture
-def redis_url(redis_client) -> str:
-    """URL of the session's redis-server, flushed for this test."""
-    kwargs = redis_client.connection_pool.connection_kwargs
-    return f"redis://{kwargs['host']}:{kwargs['port']}/0"
-
-
 def tenants(url: str, *argv: str) -> int:
     return main(["tenants", *argv, "--redis-url", url])
 
