@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cluster.audit_cli import add_audit_parser
 from cluster.errors import ClusterStartError
 from cluster.tenants_cli import add_tenants_parser
 from cluster.usage_cli import add_usage_parser
@@ -242,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     top.set_defaults(func=_top)
     add_tenants_parser(sub)
     add_usage_parser(sub)
+    add_audit_parser(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

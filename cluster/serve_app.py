@@ -36,6 +36,7 @@ from ray.serve import Application
 from cluster.app import build_app
 from cluster.settings import FairserveSettings, load_settings
 from replicas.model_info import describe_model
+from router.state.audit import AuditLog
 from router.state.redis_client import connect, wait_loaded
 from router.state.scripts import Scripts
 from router.state.tenants import load_tenants, load_tenants_file
@@ -74,7 +75,10 @@ async def _prepare_redis(settings: FairserveSettings, redis_url: str) -> None:
     try:
         await wait_loaded(client, REDIS_WAIT_S, progress=lambda line: logger.info("%s", line))
         if settings.tenants.file is not None:
-            result = await load_tenants(Scripts(client), load_tenants_file(settings.tenants.file))
+            log = AuditLog(client, settings.queues.audit_retention_days,
+                           settings.queues.audit_max_entries)
+            result = await load_tenants(Scripts(client), load_tenants_file(settings.tenants.file),
+                                        audit=log, actor=f"file:{settings.tenants.file}")
             logger.info("tenants from %s: %s", settings.tenants.file, result.summary)
     finally:
         await client.aclose()

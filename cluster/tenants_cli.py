@@ -31,6 +31,7 @@ import yaml
 from router.errors import InvalidRequestError, RouterError
 from router.state.adapters import Adapter, AdapterRegistry
 from router.state.api_keys import ApiKeys, digest, new_key
+from router.state.audit import AuditLog, cli_actor
 from router.state.redis_client import connect, with_env_password
 from router.state.scripts import Scripts
 from router.state.tenants import Tenant, TenantStore, load_tenants, load_tenants_file, validated
@@ -58,6 +59,12 @@ class Admin:
     tenants: TenantStore
     api_keys: ApiKeys
     adapters: AdapterRegistry
+    audit: AuditLog  # every change is written to it, by the CLI's user
+    actor: str = ""
+
+    async def record(self, action: str, target: str, before: Any = None,
+                     after: Any = None) -> None:
+        await self.audit.record(self.actor, action, target, before, after)
 
 
 Command = Callable[[Admin, argparse.Namespace], Awaitable[int]]
@@ -266,7 +273,8 @@ async def _as_admin(args: argparse.Namespace, client: aioredis.Redis) -> int:
     # the CLI knows no settings: a name the settings give an adapter wins over one added
     # here, and an adapter of a base model the cluster does not serve is never resolved
     adapters = AdapterRegistry(client, {})
-    return await handler(Admin(TenantStore(scripts), ApiKeys(scripts), adapters), args)
+    return await handler(Admin(TenantStore(scripts), ApiKeys(scripts), adapters,
+                               AuditLog(client), cli_actor()), args)
 
 
 def _fail(message: str) -> int:
@@ -292,6 +300,7 @@ def redacted_url(url: str) -> str:
 async def _add(admin: Admin, args: argparse.Namespace) -> int:
     tenant = _validated({"id": args.tenant_id, **_settings(args)})
     await admin.tenants.add(tenant)
+    await admin.record("tenant.create", tenant.id, None, tenant.model_dump(mode="json"))
     print(f"added tenant {tenant.id}: {_describe(tenant, SETTINGS)}")
     return 0
 
@@ -304,7 +313,12 @@ async def _set(admin: Admin, args: argparse.Namespace) -> int:
             "--daily-tokens, --max-tokens, --max-queued, --max-streams, --max-resumes, "
             "--cache-group, --enabled, --disabled"
         )
+    before = (await admin.tenants.get(args.tenant_id)).model_dump(mode="json")
     tenant = await admin.tenants.update(args.tenant_id, **changes)
+    action = "tenant.update"
+    if set(changes) == {"disabled"}:
+        action = "tenant.disable" if changes["disabled"] else "tenant.enable"
+    await admin.record(action, tenant.id, before, tenant.model_dump(mode="json"))
     print(f"updated tenant {tenant.id}: {_describe(tenant, tuple(changes))}")
     return 0
 
@@ -323,6 +337,8 @@ async def _list(admin: Admin, args: argparse.Namespace) -> int:
 
 async def _key_create(admin: Admin, args: argparse.Namespace) -> int:
     created = await admin.api_keys.create(args.tenant_id, label=args.label)
+    await admin.record("key.create", created.tenant_id, None, {
+        "key_id": created.key_id, "label": args.label, "digest": digest(created.secret)[:12]})
     # the key alone on stdout, so that KEY=$(fairserve tenants key-create ...) works
     print(created.secret)
     print(f"created key {created.key_id} for tenant {created.tenant_id}. Copy it now: it is not "
@@ -333,6 +349,7 @@ async def _key_create(admin: Admin, args: argparse.Namespace) -> int:
 async def _key_revoke(admin: Admin, args: argparse.Namespace) -> int:
     await admin.tenants.get(args.tenant_id)  # an unknown tenant is named as such
     await admin.api_keys.revoke(args.tenant_id, args.key_id)
+    await admin.record("key.revoke", args.tenant_id, {"key_id": args.key_id})
     print(f"revoked key {args.key_id} of tenant {args.tenant_id}: refused from the next request")
     return 0
 
@@ -343,7 +360,8 @@ async def _load(admin: Admin, args: argparse.Namespace) -> int:
     except OSError as exc:
         raise InvalidRequestError(f"cannot read {args.path}: {exc.strerror or exc}",
                                   param="path") from None
-    result = await load_tenants(admin.tenants.scripts, document, prune=args.prune)
+    result = await load_tenants(admin.tenants.scripts, document, prune=args.prune,
+                                audit=admin.audit, actor=f"{admin.actor} file:{args.path}")
     print(f"loaded {len(document.tenants)} tenants from {args.path}: {result.summary}")
     return 0
 
@@ -366,7 +384,9 @@ async def _adapter_add(admin: Admin, args: argparse.Namespace) -> int:
               "replica must be able to read it", file=sys.stderr)
     if args.tenant is not None:
         await admin.tenants.get(args.tenant)  # an unknown tenant is named as such
-    await admin.adapters.add(Adapter(args.name, str(path), args.tenant, base=args.base))
+    adapter = Adapter(args.name, str(path), args.tenant, base=args.base)
+    await admin.adapters.add(adapter)
+    await admin.record("adapter.add", args.name, None, asdict(adapter))
     print(f"adapter {args.name} -> {path}"
           + (f" on {args.base}" if args.base else " on the default model")
           + (f", for tenant {args.tenant} only" if args.tenant else ", for every tenant"))
@@ -388,6 +408,7 @@ async def _adapter_list(admin: Admin, args: argparse.Namespace) -> int:
 async def _adapter_remove(admin: Admin, args: argparse.Namespace) -> int:
     if not await admin.adapters.remove(args.name):
         raise InvalidRequestError(f"no adapter {args.name!r} was added", param="name")
+    await admin.record("adapter.remove", args.name)
     print(f"removed adapter {args.name}")
     return 0
 

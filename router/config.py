@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.state import keys
+from router.state import audit, keys
 from router.state.responses import ResponsesSettings
 
 
@@ -35,6 +35,13 @@ class QueueSettings(BaseModel):
         description="how long the hourly usage records per tenant and model are kept "
         "(fs:{t}:usage:<hour>: requests, prompt, cached and completion tokens, queue and engine "
         "ms, errors, refusals; `fairserve usage`); 0: none are written")
+    audit_retention_days: int = Field(
+        audit.RETENTION_DAYS, ge=1, le=3650,
+        description="how long entries of the audit log (fs:audit: every administrative change, "
+        "its actor, before and after) are kept; `fairserve audit` reads them")
+    audit_max_entries: int = Field(
+        audit.MAX_ENTRIES, ge=100, le=10_000_000,
+        description="most entries the audit log keeps (the oldest go first)")
     replicas_to_ack: int = Field(
         0, ge=0, le=16,
         description="Redis replicas that must hold an admission before the client is told it "

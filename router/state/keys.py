@@ -115,6 +115,7 @@ _TEMPLATES: dict[str, str] = {
     "response": PREFIX + ":{%s}:resp:%s",
     "responses": PREFIX + ":{%s}:resps",
     "usage": PREFIX + ":{%s}:usage:%s",
+    "audit": PREFIX + ":audit",
 }
 
 # What every script is compiled with: the templates, and the TTLs and limits it applies.
@@ -199,6 +200,11 @@ def stream(tenant_id: str, request_id: str) -> str:
 
 def idempotency(tenant_id: str, request_id: str) -> str:
     return _TEMPLATES["idempotency"] % (check_tenant_id(tenant_id), check_request_id(request_id))
+
+
+def audit() -> str:
+    """The audit log (router/state/audit.py): a stream, trimmed by count and age."""
+    return _TEMPLATES["audit"]
 
 
 def usage(tenant_id: str, hour: int) -> str:

@@ -43,6 +43,7 @@ from router.errors import ConflictError, InvalidRequestError, NotFoundError, Sto
 from router.state import keys
 from router.state.adapters import NAME as MODEL_NAME
 from router.state.api_keys import KEY_ID_HEX_CHARS, ApiKeys
+from router.state.audit import AuditLog
 from router.state.scripts import Script, Scripts
 
 MAX_PRIORITY = 9
@@ -248,8 +249,8 @@ class LoadResult:
                 f"{self.num_keys_added} API keys added, {self.num_keys_revoked} revoked")
 
 
-async def load_tenants(scripts: Scripts, document: TenantsDocument,
-                       prune: bool = True) -> LoadResult:
+async def load_tenants(scripts: Scripts, document: TenantsDocument, prune: bool = True,
+                       audit: AuditLog | None = None, actor: str = "file") -> LoadResult:
     """Reconcile Redis with a tenants file, as ``kubectl apply`` does with its last-applied
     configuration (``keys.file_tenants``: what the file last set on each tenant it owns):
 
@@ -265,6 +266,8 @@ async def load_tenants(scripts: Scripts, document: TenantsDocument,
     ``prune`` False (``fairserve tenants load`` without ``--prune``): the tenants the file owned
     and no longer lists are left as they are, so loading a partial file by hand never disables
     the rest; a deploy loads the whole file and prunes.
+
+    Each change is written to ``audit`` (if given) as made by ``actor``.
     """
     client: aioredis.Redis = scripts.client
     store, api_keys = TenantStore(scripts), ApiKeys(scripts)
@@ -274,26 +277,52 @@ async def load_tenants(scripts: Scripts, document: TenantsDocument,
     for tenant_id, key in document.api_keys:
         file_keys.setdefault(tenant_id, []).append(key)
     created = updated = unchanged = added = revoked = released = 0
+
+    async def record(action: str, target: str, before: Any = None, after: Any = None) -> None:
+        if audit is not None:
+            await audit.record(actor, action, target, before, after)
+
     for tenant in document.tenants:
         applied = {"settings": tenant.model_dump(mode="json", exclude={"id"}),
                    "keys": sorted(k.id for k in file_keys.get(tenant.id, []))}
         last = owned.pop(tenant.id, None)
+        before = await _current(store, tenant.id)
         outcome = await _apply(store, tenant, last["settings"] if last else None)
         created += outcome == "created"
         updated += outcome == "updated"
         unchanged += outcome == "unchanged"
+        if outcome != "unchanged":
+            await record(f"tenant.{outcome.removesuffix('d')}", tenant.id, before,
+                         (await store.get(tenant.id)).model_dump(mode="json"))
         for key in file_keys.get(tenant.id, []):
-            added += await api_keys.add_digest(tenant.id, key.id, key.sha256, key.label)
-        revoked += await _revoke(api_keys, tenant.id,
-                                 set(last["keys"] if last else []) - set(applied["keys"]))
+            if await api_keys.add_digest(tenant.id, key.id, key.sha256, key.label):
+                added += 1
+                await record("key.create", tenant.id, None, {
+                    "key_id": key.id, "label": key.label, "digest": key.sha256[:12]})
+        for key_id in await _revoke(api_keys, tenant.id, set(last["keys"] if last else [])
+                                    - set(applied["keys"])):
+            revoked += 1
+            await record("key.revoke", tenant.id, {"key_id": key_id})
         await client.hset(keys.file_tenants(), tenant.id, json.dumps(applied))
     for tenant_id, last in (owned.items() if prune else ()):
-        revoked += await _revoke(api_keys, tenant_id, set(last["keys"]))
+        for key_id in await _revoke(api_keys, tenant_id, set(last["keys"])):
+            revoked += 1
+            await record("key.revoke", tenant_id, {"key_id": key_id})
+        before = await _current(store, tenant_id)
         with contextlib.suppress(NotFoundError):
             await store.update(tenant_id, disabled=True)
+            await record("tenant.disable", tenant_id, before, {**(before or {}), "disabled": True})
         await client.hdel(keys.file_tenants(), tenant_id)
         released += 1
     return LoadResult(created, updated, added, unchanged, revoked, released)
+
+
+async def _current(store: TenantStore, tenant_id: str) -> dict[str, Any] | None:
+    """A tenant's settings now (None: there is no such tenant)."""
+    try:
+        return (await store.get(tenant_id)).model_dump(mode="json")
+    except NotFoundError:
+        return None
 
 
 async def _apply(store: TenantStore, tenant: Tenant, last: dict[str, Any] | None) -> str:
@@ -313,13 +342,14 @@ async def _apply(store: TenantStore, tenant: Tenant, last: dict[str, Any] | None
     return "updated"
 
 
-async def _revoke(api_keys: ApiKeys, tenant_id: str, key_ids: set[str]) -> int:
-    num = 0
+async def _revoke(api_keys: ApiKeys, tenant_id: str, key_ids: set[str]) -> list[str]:
+    """The keys of ``key_ids`` that were revoked (the others were gone already)."""
+    done = []
     for key_id in sorted(key_ids):
         with contextlib.suppress(NotFoundError):
             await api_keys.revoke(tenant_id, key_id)
-            num += 1
-    return num
+            done.append(key_id)
+    return done
 
 
 class TenantStore:
