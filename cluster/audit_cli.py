@@ -1,4 +1,5 @@
-"""``fairserve audit``: the audit log (router/state/audit.py), oldest first.
+"""``fairserve audit``: the audit log (router/state/audit.py), oldest first; ``fairserve admin``:
+the admin API's tokens (router/state/admin_tokens.py).
 
     fairserve audit --since 7d
     fairserve audit --since 2026-12-01 --format json
@@ -9,12 +10,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cluster.tenants_cli import default_redis_url, run_with_redis
 from cluster.usage_cli import parse_time
-from router.state.audit import MAX_READ, AuditLog
+from router.state.admin_tokens import AdminTokens
+from router.state.audit import MAX_READ, AuditLog, cli_actor
 from router.state.usage import iso
 
 if TYPE_CHECKING:
@@ -51,4 +54,51 @@ async def _print_audit(args: argparse.Namespace, client: aioredis.Redis) -> int:
               f"before={json.dumps(e.before)}  after={json.dumps(e.after)}")
     if not entries:
         print("no entries")
+    return 0
+
+
+def add_admin_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``fairserve admin token-create|token-list|token-revoke``: the admin API's tokens."""
+    admin = sub.add_parser("admin", help="tokens of the admin API (router.api.admin_port)")
+    commands = admin.add_subparsers(dest="admin_command", required=True)
+    for name, text, func in (("token-create", "a new admin token, printed once", _token_create),
+                             ("token-list", "the admin tokens (id, label, created)", _token_list),
+                             ("token-revoke", "revoke an admin token by its id", _token_revoke)):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("--redis-url", default=default_redis_url(),
+                             help="the Redis the routers share (as for `fairserve tenants`)")
+        if name == "token-create":
+            command.add_argument("--label", default="", help="what it is for")
+        if name == "token-revoke":
+            command.add_argument("token_id", metavar="ID")
+        command.set_defaults(func=functools.partial(_run_admin, func))
+
+
+def _run_admin(func: Any, args: argparse.Namespace) -> int:
+    return run_with_redis(args, functools.partial(func, args))
+
+
+async def _token_create(args: argparse.Namespace, client: aioredis.Redis) -> int:
+    token, secret = await AdminTokens(client).create(args.label)
+    await AuditLog(client).record(cli_actor(), "admin_token.create", token.id, None,
+                                  {"label": token.label})
+    print(secret)  # alone on stdout: TOKEN=$(fairserve admin token-create)
+    print(f"created admin token {token.id}. Copy it now: only its SHA-256 digest is stored.",
+          file=sys.stderr)
+    return 0
+
+
+async def _token_list(args: argparse.Namespace, client: aioredis.Redis) -> int:
+    tokens = await AdminTokens(client).list()
+    for t in tokens:
+        print(f"{t.id}  {iso(t.created_ms)}  {t.label}")
+    if not tokens:
+        print("no admin tokens")
+    return 0
+
+
+async def _token_revoke(args: argparse.Namespace, client: aioredis.Redis) -> int:
+    await AdminTokens(client).revoke(args.token_id)
+    await AuditLog(client).record(cli_actor(), "admin_token.revoke", args.token_id)
+    print(f"revoked admin token {args.token_id}")
     return 0

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cluster.audit_cli import add_audit_parser
+from cluster.audit_cli import add_admin_parser, add_audit_parser
 from cluster.errors import ClusterStartError
 from cluster.tenants_cli import add_tenants_parser
 from cluster.usage_cli import add_usage_parser
@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     add_tenants_parser(sub)
     add_usage_parser(sub)
     add_audit_parser(sub)
+    add_admin_parser(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

@@ -86,6 +86,13 @@ class ApiSettings(BaseModel):
     metrics_port: int | None = Field(
         9464, ge=1, le=65535, description="port of /metrics; the routers of one machine share "
         "it (SO_REUSEPORT) and any answers with the whole cluster's metrics; null: not served")
+    admin_host: str = Field(
+        "127.0.0.1", description="address each router serves the admin API on (/admin/v1/: "
+        "tenants, keys, usage, audit; admin tokens only): the operators' side, never the "
+        "tenants' port")
+    admin_port: int | None = Field(
+        9466, ge=1, le=65535, description="port of the admin API; the routers of one machine "
+        "share it (SO_REUSEPORT); null: not served")
     max_n: int = Field(
         8, ge=1, le=128,
         description="most choices (OpenAI's n) one request may ask for; each is a sequence in "

@@ -24,6 +24,8 @@ from typing import Any, TypeVar, cast
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from router.admin.app import admin_app
+from router.admin.server import AdminServer
 from router.api.openai_models import ChatCompletionRequest, CompletionRequest
 from router.api.openapi import EVENT_ID_PATTERN, DeploymentLimits
 from router.api.prompt_tokenizer import ModelInfo, PromptTokenizer
@@ -58,6 +60,7 @@ from router.messages import (
 from router.state import keys, nodes
 from router.state.adapters import Adapter, AdapterRegistry
 from router.state.api_keys import ApiKeys, Principal
+from router.state.audit import AuditLog
 from router.state.capacity import CapacityView
 from router.state.queues import TenantQueues
 from router.state.readers import ReaderLeases, lease_end_ms
@@ -193,6 +196,10 @@ class RouterService:
         self.metrics_server = (MetricsServer(self.metrics_exposition, self.api.metrics_host,
                                              self.api.metrics_port)
                                if self.api.metrics_port is not None else None)
+        self.admin_server = (AdminServer(admin_app(scripts, AuditLog(
+            client, options.queues.audit_retention_days, options.queues.audit_max_entries)),
+            self.api.admin_host, self.api.admin_port)
+            if self.api.admin_port is not None else None)
 
     @property
     def dispatchers(self) -> list[Dispatcher]:
@@ -216,6 +223,8 @@ class RouterService:
         self.mux.start()
         if self.metrics_server is not None:
             await self.metrics_server.start()
+        if self.admin_server is not None:
+            await self.admin_server.start()
         self._tasks = [*(asyncio.create_task(d.run(), name=f"dispatcher {d.pool}")
                          for d in self.dispatchers),
                        asyncio.create_task(self._listen_for_wakes(), name="wake listener"),
@@ -225,6 +234,8 @@ class RouterService:
     async def stop(self) -> None:
         if self.metrics_server is not None:
             await self.metrics_server.stop()
+        if self.admin_server is not None:
+            await self.admin_server.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -116,6 +116,8 @@ _TEMPLATES: dict[str, str] = {
     "responses": PREFIX + ":{%s}:resps",
     "usage": PREFIX + ":{%s}:usage:%s",
     "audit": PREFIX + ":audit",
+    "admin_token": PREFIX + ":admintoken:%s",
+    "admin_tokens": PREFIX + ":admintokens",
 }
 
 # What every script is compiled with: the templates, and the TTLs and limits it applies.
@@ -200,6 +202,16 @@ def stream(tenant_id: str, request_id: str) -> str:
 
 def idempotency(tenant_id: str, request_id: str) -> str:
     return _TEMPLATES["idempotency"] % (check_tenant_id(tenant_id), check_request_id(request_id))
+
+
+def admin_token(token_digest: str) -> str:
+    """An admin token by the SHA-256 digest of its secret (router/state/admin_tokens.py)."""
+    return _TEMPLATES["admin_token"] % token_digest
+
+
+def admin_tokens() -> str:
+    """Every admin token's id -> digest (at most MAX_ADMIN_TOKENS)."""
+    return _TEMPLATES["admin_tokens"]
 
 
 def audit() -> str:

@@ -35,6 +35,7 @@ class E2ECluster:
     redis_url: str
     demo_key: str
     metrics_url: str  # the routers' /metrics, on the operators' port
+    admin_url: str  # the routers' admin API (/admin/v1/...), on the operators' side
 
     def client(self, key: str | None = None, **kwargs: Any) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base_url, api_key=key or self.demo_key,
@@ -91,13 +92,15 @@ class E2ECluster:
 
 
 def start_cluster(state_dir: Path) -> E2ECluster:
+    admin_port = free_port()
     settings = load_settings(
         state_dir=state_dir,
         engine={"num_threads": 1, "max_num_seqs": 32},
         replicas={"num_replicas": NUM_REPLICAS, "num_cpus": 0.5,
                   "max_ongoing_requests": SLOTS_PER_REPLICA, "graceful_shutdown_timeout_s": 5},
         router={"num_replicas": 2, "num_cpus": 0.25, "port": free_port(),
-                "api": {"detach_grace_s": 5.0, "metrics_port": free_port()}},
+                "api": {"detach_grace_s": 5.0, "metrics_port": free_port(),
+                        "admin_port": admin_port}},
         redis={"port": free_port()},
         ray={"num_cpus": 2},
     )
@@ -108,4 +111,5 @@ def start_cluster(state_dir: Path) -> E2ECluster:
         launcher.stop()
         raise
     assert info.demo_key is not None, "a fresh cluster creates the demo tenant"
-    return E2ECluster(launcher, info.base_url, info.redis_url, info.demo_key, info.metrics_url)
+    return E2ECluster(launcher, info.base_url, info.redis_url, info.demo_key, info.metrics_url,
+                      f"http://127.0.0.1:{admin_port}")
