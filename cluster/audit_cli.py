@@ -14,7 +14,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from cluster.tenants_cli import default_redis_url, run_with_redis
+from cluster.admin_client import AdminHttp, add_admin_url_arguments
+from cluster.tenants_cli import default_redis_url, run_with_admin_api, run_with_redis
 from cluster.usage_cli import parse_time
 from router.state.admin_tokens import AdminTokens
 from router.state.audit import MAX_READ, AuditLog, cli_actor
@@ -35,26 +36,45 @@ def add_audit_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     audit.add_argument("--limit", type=int, default=1_000,
                        help=f"at most this many entries (up to {MAX_READ})")
     audit.add_argument("--format", choices=("table", "json"), default="table")
+    add_admin_url_arguments(audit)
     audit.set_defaults(func=run_audit)
 
 
 def run_audit(args: argparse.Namespace) -> int:
+    if args.admin_url:
+        return run_with_admin_api(args, _print_audit_over_http)
     return run_with_redis(args, functools.partial(_print_audit, args))
 
 
-async def _print_audit(args: argparse.Namespace, client: aioredis.Redis) -> int:
+def _window(args: argparse.Namespace) -> tuple[int, int]:
     now_ms = int(time.time() * 1000)
-    entries = await AuditLog(client).read(parse_time(args.since, now_ms, "since"),
-                                          parse_time(args.until, now_ms, "until"), args.limit)
-    if args.format == "json":
-        print(json.dumps([e.as_dict() for e in entries], indent=2))
-        return 0
+    return parse_time(args.since, now_ms, "since"), parse_time(args.until, now_ms, "until")
+
+
+async def _print_audit(args: argparse.Namespace, client: aioredis.Redis) -> int:
+    since, until = _window(args)
+    entries = await AuditLog(client).read(since, until, args.limit)
+    _print_entries([e.as_dict() for e in entries], args.format)
+    return 0
+
+
+async def _print_audit_over_http(admin: AdminHttp, args: argparse.Namespace) -> int:
+    since, until = _window(args)
+    body = await admin.call("GET", "/admin/v1/audit", params={
+        "since_ms": since, "until_ms": until, "limit": args.limit})
+    _print_entries(body["data"], args.format)
+    return 0
+
+
+def _print_entries(entries: list[dict[str, Any]], fmt: str) -> None:
+    if fmt == "json":
+        print(json.dumps(entries, indent=2))
+        return
     for e in entries:
-        print(f"{iso(e.time_ms)}  {e.actor}  {e.action}  {e.target}  "
-              f"before={json.dumps(e.before)}  after={json.dumps(e.after)}")
+        print(f"{iso(e['time_ms'])}  {e['actor']}  {e['action']}  {e['target']}  "
+              f"before={json.dumps(e['before'])}  after={json.dumps(e['after'])}")
     if not entries:
         print("no entries")
-    return 0
 
 
 def add_admin_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

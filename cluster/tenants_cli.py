@@ -28,6 +28,13 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 import yaml
 
+from cluster.admin_client import (
+    AdminHttp,
+    HttpKeys,
+    HttpTenants,
+    NoAdapters,
+    add_admin_url_arguments,
+)
 from router.errors import InvalidRequestError, RouterError
 from router.state.adapters import Adapter, AdapterRegistry
 from router.state.api_keys import ApiKeys, digest, new_key
@@ -56,15 +63,16 @@ TABLE_COLUMNS = ("id", *SETTINGS, "keys")
 class Admin:
     """What a subcommand works with: the stores, on one client of the shared Redis."""
 
-    tenants: TenantStore
-    api_keys: ApiKeys
-    adapters: AdapterRegistry
-    audit: AuditLog  # every change is written to it, by the CLI's user
-    actor: str = ""
+    tenants: Any  # TenantStore, or HttpTenants over the admin API (cluster/admin_client.py)
+    api_keys: Any  # ApiKeys, or HttpKeys
+    adapters: Any  # AdapterRegistry (over the admin API: none)
+    audit: AuditLog | None  # every change is written to it, by the CLI's user (over the admin
+    actor: str = ""         # API: by the server, under the admin token)
 
     async def record(self, action: str, target: str, before: Any = None,
                      after: Any = None) -> None:
-        await self.audit.record(self.actor, action, target, before, after)
+        if self.audit is not None:
+            await self.audit.record(self.actor, action, target, before, after)
 
 
 Command = Callable[[Admin, argparse.Namespace], Awaitable[int]]
@@ -82,6 +90,7 @@ def add_tenants_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         f"`fairserve up` running from this directory, else {DEFAULT_REDIS_URL}); the password "
         "may come from $FAIRSERVE_REDIS__PASSWORD or the file $FAIRSERVE_REDIS__PASSWORD_FILE",
     )
+    add_admin_url_arguments(common)
     tenants = sub.add_parser("tenants", help="add, list and change tenants and their API keys")
     commands = tenants.add_subparsers(dest="tenants_command", required=True)
 
@@ -235,7 +244,31 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_tenants_command(args: argparse.Namespace) -> int:
+    if getattr(args, "admin_url", None):
+        return run_with_admin_api(args, _over_http)
     return run_with_redis(args, functools.partial(_as_admin, args))
+
+
+def run_with_admin_api(args: argparse.Namespace,
+                       body: Callable[[AdminHttp, argparse.Namespace], Awaitable[int]]) -> int:
+    """Runs ``body`` on the admin API at ``args.admin_url``; a refusal is an error line and
+    exit status 1."""
+    async def run() -> int:
+        admin = AdminHttp(args)
+        try:
+            return await body(admin, args)
+        finally:
+            await admin.aclose()
+
+    try:
+        return asyncio.run(run())
+    except RouterError as exc:
+        return _fail(exc.message)
+
+
+async def _over_http(http: AdminHttp, args: argparse.Namespace) -> int:
+    handler: Command = args.handler
+    return await handler(Admin(HttpTenants(http), HttpKeys(http), NoAdapters(), None), args)
 
 
 def run_with_redis(args: argparse.Namespace,
@@ -360,6 +393,9 @@ async def _load(admin: Admin, args: argparse.Namespace) -> int:
     except OSError as exc:
         raise InvalidRequestError(f"cannot read {args.path}: {exc.strerror or exc}",
                                   param="path") from None
+    if not isinstance(admin.tenants, TenantStore):
+        raise InvalidRequestError("tenants load needs --redis-url (a deploy loads the file "
+                                  "itself: tenants.file)", param="admin_url")
     result = await load_tenants(admin.tenants.scripts, document, prune=args.prune,
                                 audit=admin.audit, actor=f"{admin.actor} file:{args.path}")
     print(f"loaded {len(document.tenants)} tenants from {args.path}: {result.summary}")

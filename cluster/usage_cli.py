@@ -17,9 +17,10 @@ import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from cluster.tenants_cli import default_redis_url, run_with_redis
+from cluster.admin_client import AdminHttp, add_admin_url_arguments
+from cluster.tenants_cli import default_redis_url, run_with_admin_api, run_with_redis
 from router.errors import InvalidRequestError
-from router.state.usage import GROUPS, UsageReader, render
+from router.state.usage import GROUPS, UsageReader, render, render_dicts
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -58,18 +59,34 @@ def add_usage_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     usage.add_argument("--group-by", default="tenant,model,hour",
                        help=f"comma-separated of {', '.join(GROUPS)} (hour or day, not both)")
     usage.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    add_admin_url_arguments(usage)
     usage.set_defaults(func=run_usage)
 
 
 def run_usage(args: argparse.Namespace) -> int:
+    if args.admin_url:
+        return run_with_admin_api(args, _print_usage_over_http)
     return run_with_redis(args, functools.partial(_print_usage, args))
 
 
-async def _print_usage(args: argparse.Namespace, client: aioredis.Redis) -> int:
+def _window(args: argparse.Namespace) -> tuple[int, int, list[str]]:
     now_ms = int(time.time() * 1000)
-    since = parse_time(args.since, now_ms, "since")
-    until = parse_time(args.until, now_ms, "until")
     group_by = [g.strip() for g in args.group_by.split(",") if g.strip()]
+    return (parse_time(args.since, now_ms, "since"), parse_time(args.until, now_ms, "until"),
+            group_by)
+
+
+async def _print_usage(args: argparse.Namespace, client: aioredis.Redis) -> int:
+    since, until, group_by = _window(args)
     rows = await UsageReader(client).read(since, until, args.tenant, group_by)
     print(render(rows, group_by, args.format), end="")
+    return 0
+
+
+async def _print_usage_over_http(admin: AdminHttp, args: argparse.Namespace) -> int:
+    since, until, group_by = _window(args)
+    body = await admin.call("GET", "/admin/v1/usage", params={
+        "since_ms": since, "until_ms": until, "tenant": args.tenant or [],
+        "group_by": ",".join(group_by)})
+    print(render_dicts(body["data"], group_by, args.format), end="")
     return 0

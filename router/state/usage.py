@@ -136,7 +136,11 @@ class UsageReader:
 
 def render(rows: list[UsageRow], group_by: Sequence[str], fmt: str) -> str:
     """``table``, ``csv`` or ``json`` (a list of objects)."""
-    dicts = [r.as_dict(group_by) for r in rows]
+    return render_dicts([r.as_dict(group_by) for r in rows], group_by, fmt)
+
+
+def render_dicts(dicts: list[dict[str, object]], group_by: Sequence[str], fmt: str) -> str:
+    """Rows as ``UsageRow.as_dict`` (or the admin API) gives them, as ``render`` writes them."""
     if fmt == "json":
         return json.dumps(dicts, indent=2)
     columns = list(dicts[0]) if dicts else [*group_by, *COUNTERS, "refused"]
