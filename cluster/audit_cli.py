@@ -14,10 +14,13 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+import yaml
+
 from cluster.admin_client import AdminHttp, add_admin_url_arguments
 from cluster.tenants_cli import default_redis_url, run_with_admin_api, run_with_redis
 from cluster.usage_cli import parse_time
-from router.state.admin_tokens import AdminTokens
+from router.state.admin_tokens import AdminTokens, new_token
+from router.state.api_keys import digest
 from router.state.audit import MAX_READ, AuditLog, cli_actor
 from router.state.usage import iso
 
@@ -81,6 +84,11 @@ def add_admin_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     """``fairserve admin token-create|token-list|token-revoke``: the admin API's tokens."""
     admin = sub.add_parser("admin", help="tokens of the admin API (router.api.admin_port)")
     commands = admin.add_subparsers(dest="admin_command", required=True)
+    new = commands.add_parser("token-new", help="a new admin token made here and stored nowhere: "
+                              "the token on stdout, its admin tokens file entry (the digest) on "
+                              "stderr, for a Kubernetes Secret (admin.existingSecret)")
+    new.add_argument("--label", default="", help="what it is for")
+    new.set_defaults(func=_token_new)
     for name, text, func in (("token-create", "a new admin token, printed once", _token_create),
                              ("token-list", "the admin tokens (id, label, created)", _token_list),
                              ("token-revoke", "revoke an admin token by its id", _token_revoke)):
@@ -105,6 +113,16 @@ async def _token_create(args: argparse.Namespace, client: aioredis.Redis) -> int
     print(secret)  # alone on stdout: TOKEN=$(fairserve admin token-create)
     print(f"created admin token {token.id}. Copy it now: only its SHA-256 digest is stored.",
           file=sys.stderr)
+    return 0
+
+
+def _token_new(args: argparse.Namespace) -> int:
+    token_id, secret = new_token()
+    print(secret)
+    entry = yaml.safe_dump({"admin_tokens": [{"id": token_id, "label": args.label,
+                                              "sha256": digest(secret)}]}, sort_keys=False)
+    print(f"admin token {token_id}; nothing was stored. Its entry in an admin tokens file "
+          f"(the digest only):\n{entry}", file=sys.stderr, end="")
     return 0
 
 

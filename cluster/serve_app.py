@@ -36,6 +36,7 @@ from ray.serve import Application
 from cluster.app import build_app
 from cluster.settings import FairserveSettings, load_settings
 from replicas.model_info import describe_model
+from router.state.admin_tokens import AdminTokens
 from router.state.audit import AuditLog
 from router.state.redis_client import connect, wait_loaded
 from router.state.scripts import Scripts
@@ -80,5 +81,16 @@ async def _prepare_redis(settings: FairserveSettings, redis_url: str) -> None:
             result = await load_tenants(Scripts(client), load_tenants_file(settings.tenants.file),
                                         audit=log, actor=f"file:{settings.tenants.file}")
             logger.info("tenants from %s: %s", settings.tenants.file, result.summary)
+        tokens_file = settings.router.api.admin_tokens_file
+        if tokens_file is not None:
+            added, revoked = await AdminTokens(client).load_file(tokens_file)
+            log = AuditLog(client, settings.queues.audit_retention_days,
+                           settings.queues.audit_max_entries)
+            for token_id in added:
+                await log.record(f"file:{tokens_file}", "admin_token.create", token_id)
+            for token_id in revoked:
+                await log.record(f"file:{tokens_file}", "admin_token.revoke", token_id)
+            logger.info("admin tokens from %s: %d added, %d revoked", tokens_file, len(added),
+                        len(revoked))
     finally:
         await client.aclose()

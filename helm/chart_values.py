@@ -380,6 +380,24 @@ class Tenants(_Values):
     key: str = Field("tenants.yaml", description="Key of the file in that Secret.")
 
 
+class AdminService(_Values):
+    enabled: bool = Field(True, description="A Service in front of the router pods' admin port "
+                          "(fairserve.router.api.admin_port: tenants, keys, usage, audit; admin "
+                          "tokens only); never the API's Service.")
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
+        "ClusterIP", description="Service type; ClusterIP keeps it inside the cluster "
+        "(kubectl port-forward for an operator's CLI).")
+
+
+class Admin(_Values):
+    existingSecret: str = Field("", description="Secret with an admin tokens file (SHA-256 "
+                                "digests only: `fairserve admin token-new` makes a token and "
+                                "its entry), reconciled on every deploy. Empty: make tokens with "
+                                "`fairserve admin token-create` through a port-forward to Redis.")
+    key: str = Field("admin-tokens.yaml", description="Key of the file in that Secret.")
+    service: AdminService = Field(default_factory=AdminService)
+
+
 class Telemetry(_Values):
     otlpEndpoint: str = Field("", description="OTLP endpoint of the traces "
                               "(OTEL_EXPORTER_OTLP_ENDPOINT); empty: tracing off.")
@@ -427,6 +445,9 @@ class NetworkPolicy(_Values):
         default_factory=list, description="Peers allowed to scrape metrics (Ray's 8080, "
         "fairserve's fairserve.router.api.metrics_port), e.g. the monitoring namespace; empty: "
         "any. The tenants' API port never serves them.")
+    adminFrom: list[KubeObject] = Field(
+        default_factory=list, description="Peers allowed to reach the admin API "
+        "(fairserve.router.api.admin_port); empty: the pods of the release's namespace only.")
     kuberayOperator: OperatorPeer = Field(default_factory=OperatorPeer)
 
 
@@ -502,6 +523,7 @@ class ChartValues(_Values):
     upgrade: Upgrade = Field(default_factory=Upgrade)
     redis: Redis = Field(default_factory=Redis)
     tenants: Tenants = Field(default_factory=Tenants)
+    admin: Admin = Field(default_factory=Admin)
     telemetry: Telemetry = Field(default_factory=Telemetry)
     ingress: Ingress = Field(default_factory=Ingress)
     httpRoute: HttpRoute = Field(default_factory=HttpRoute)

@@ -93,6 +93,11 @@ class ApiSettings(BaseModel):
     admin_port: int | None = Field(
         9466, ge=1, le=65535, description="port of the admin API; the routers of one machine "
         "share it (SO_REUSEPORT); null: not served")
+    admin_tokens_file: str | None = Field(
+        None, description="a file of admin tokens as SHA-256 digests (`fairserve admin "
+        "token-new` makes a token and its entry), reconciled at every start: its tokens added, "
+        "a token it no longer lists revoked; null: tokens are made with `fairserve admin "
+        "token-create` only")
     max_n: int = Field(
         8, ge=1, le=128,
         description="most choices (OpenAI's n) one request may ask for; each is a sequence in "

@@ -118,6 +118,7 @@ _TEMPLATES: dict[str, str] = {
     "audit": PREFIX + ":audit",
     "admin_token": PREFIX + ":admintoken:%s",
     "admin_tokens": PREFIX + ":admintokens",
+    "file_admin_tokens": PREFIX + ":admintokens:file",
 }
 
 # What every script is compiled with: the templates, and the TTLs and limits it applies.
@@ -212,6 +213,11 @@ def admin_token(token_digest: str) -> str:
 def admin_tokens() -> str:
     """Every admin token's id -> digest (at most MAX_ADMIN_TOKENS)."""
     return _TEMPLATES["admin_tokens"]
+
+
+def file_admin_tokens() -> str:
+    """The ids of the admin tokens the tokens file added (at most MAX_ADMIN_TOKENS)."""
+    return _TEMPLATES["file_admin_tokens"]
 
 
 def audit() -> str:

@@ -164,11 +164,11 @@ def test_validate_fails_fast_naming_the_value(overrides: dict, named: str) -> No
 # ---- what the templates do ----
 
 
-def test_defaults_render_the_rayservice_redis_and_network_policies_only() -> None:
+def test_defaults_render_the_rayservice_redis_admin_service_and_network_policies_only() -> None:
     docs = render(values_of(None))
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == ["ConfigMap", "NetworkPolicy", "NetworkPolicy", "RayService", "Service",
-                     "Service", "StatefulSet"]
+                     "Service", "Service", "StatefulSet"]  # Redis's two and the admin API's
 
 
 def test_external_redis_renders_no_redis_and_passes_its_secret() -> None:
@@ -358,3 +358,43 @@ def test_notes_say_how_to_reach_the_api_and_warn() -> None:
     assert "No model group has GPUs" in text
     quiet = notes(values_of("gcs-ft"))
     assert "GCS fault tolerance is off" not in quiet
+
+
+def test_the_admin_api_has_its_own_cluster_internal_service_and_token_secret() -> None:
+    """The admin API (router.api.admin_port) is served on the router pods' fs-admin port,
+    reached through its own ClusterIP Service (never the API's), by this namespace's pods only
+    unless networkPolicy.adminFrom says; admin.existingSecret's tokens file is mounted and
+    named in the settings."""
+    docs = render(values_of(None, admin={"existingSecret": "fs-admin-tokens"}))
+    settings = serve_config(docs)["applications"][0]["args"]["settings"]
+    api = settings["router"]["api"]
+    assert (api["admin_host"], api["admin_port"]) == ("0.0.0.0", 9466)
+    assert api["admin_tokens_file"] == "/etc/fairserve/admin/admin-tokens.yaml"
+    (admin,) = [s for s in of_kind(docs, "Service") if s["metadata"]["name"].endswith("admin")]
+    assert admin["spec"]["type"] == "ClusterIP"
+    assert admin["spec"]["selector"]["app.kubernetes.io/component"] == "routers"
+    assert admin["spec"]["ports"] == [{"name": "admin", "port": 9466, "targetPort": "fs-admin"}]
+    spec = rayservice(docs)["spec"]["rayClusterConfig"]
+    (routers,) = [g for g in spec["workerGroupSpecs"] if g["groupName"] == "routers"]
+    pod = routers["template"]["spec"]
+    assert {"name": "fs-admin", "containerPort": 9466} in pod["containers"][0]["ports"]
+    assert {"name": "admin-tokens", "mountPath": "/etc/fairserve/admin", "readOnly": True} in \
+        pod["containers"][0]["volumeMounts"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "admin-tokens"]
+    assert volume["secret"]["secretName"] == "fs-admin-tokens"
+    _, ray_np = of_kind(docs, "NetworkPolicy")
+    rule = next(r for r in ray_np["spec"]["ingress"]
+                if {"protocol": "TCP", "port": 9466} in r.get("ports", []))
+    assert rule["from"] == [{"podSelector": {}}]
+    for service in of_kind(docs, "Service"):
+        if service is not admin:
+            assert 9466 not in [p.get("port") for p in service["spec"].get("ports", [])]
+    ops = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}}]
+    docs = render(values_of(None, networkPolicy={"adminFrom": ops},
+                            admin={"service": {"type": "NodePort"}}))
+    _, ray_np = of_kind(docs, "NetworkPolicy")
+    rule = next(r for r in ray_np["spec"]["ingress"]
+                if {"protocol": "TCP", "port": 9466} in r.get("ports", []))
+    assert rule["from"] == ops
+    off = of_kind(render(values_of(None, admin={"service": {"enabled": False}})), "Service")
+    assert not [s for s in off if s["metadata"]["name"].endswith("admin")]

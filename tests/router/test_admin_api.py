@@ -101,3 +101,40 @@ async def _scenario(url: str) -> None:
 
 def test_the_admin_api_manages_tenants_keys_usage_and_audit(redis_url) -> None:
     asyncio.run(_scenario(redis_url))
+
+
+def test_a_tokens_file_is_reconciled_and_leaves_the_clis_tokens_alone(redis_url,
+                                                                       tmp_path) -> None:
+    import pytest
+    import yaml
+
+    from router.errors import InvalidRequestError
+    from router.state.admin_tokens import new_token
+    from router.state.api_keys import digest
+
+    async def scenario() -> None:
+        client = connect(redis_url)
+        tokens = AdminTokens(client)
+        try:
+            _, cli_secret = await tokens.create("cli")
+            made = [new_token() for _ in range(2)]
+            entries = [{"id": i, "label": f"t{n}", "sha256": digest(s)}
+                       for n, (i, s) in enumerate(made)]
+            path = tmp_path / "admin-tokens.yaml"
+            path.write_text(yaml.safe_dump({"admin_tokens": entries}))
+            assert await tokens.load_file(path) == ([made[0][0], made[1][0]], [])
+            assert await tokens.load_file(path) == ([], [])  # nothing changed
+            assert (await tokens.verify(made[1][1])).label == "t1"
+            path.write_text(yaml.safe_dump({"admin_tokens": entries[:1]}))
+            assert await tokens.load_file(path) == ([], [made[1][0]])
+            assert await tokens.verify(made[1][1]) is None
+            assert await tokens.verify(made[0][1]) is not None
+            assert await tokens.verify(cli_secret) is not None  # not the file's
+            path.write_text(yaml.safe_dump({"admin_tokens": [{"id": "x", "sha256": "y"}]}))
+            with pytest.raises(InvalidRequestError) as err:
+                await tokens.load_file(path)
+            assert err.value.param == "admin_tokens.0.id"
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())

@@ -168,6 +168,10 @@ fairserve-replica {{ $auth.replicaPasswordKey }}
 {{- $_ := set $s.router "host" "0.0.0.0" -}}
 {{- $_ := set $s.router "port" 8000 -}}
 {{- $_ := set $s.router.api "metrics_host" "0.0.0.0" -}}{{/* the pod's port: PodMonitor, NetworkPolicy */}}
+{{- $_ := set $s.router.api "admin_host" "0.0.0.0" -}}{{/* the pod's port: the admin Service, NetworkPolicy */}}
+{{- if .Values.admin.existingSecret -}}
+{{- $_ := set $s.router.api "admin_tokens_file" "/etc/fairserve/admin/admin-tokens.yaml" -}}
+{{- end -}}
 {{- $_ := set $s "redis" (dict "url" (include "fairserve.redisUrl" .)) -}}
 {{- if .Values.tenants.existingSecret -}}
 {{- $_ := set $s "tenants" (dict "file" "/etc/fairserve/tenants/tenants.yaml" "create_demo" false) -}}

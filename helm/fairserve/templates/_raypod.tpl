@@ -76,6 +76,14 @@ spec:
           - key: {{ $v.tenants.key }}
             path: tenants.yaml
     {{- end }}
+    {{- if $v.admin.existingSecret }}
+    - name: admin-tokens
+      secret:
+        secretName: {{ $v.admin.existingSecret }}
+        items:
+          - key: {{ $v.admin.key }}
+            path: admin-tokens.yaml
+    {{- end }}
     {{- if eq $v.model.source "pvc" }}
     - name: models
       persistentVolumeClaim:
@@ -150,11 +158,17 @@ spec:
         {{- with $v.fairserve.router.api.metrics_port }}
         - {name: fs-metrics, containerPort: {{ . }}}
         {{- end }}
+        {{- with $v.fairserve.router.api.admin_port }}
+        - {name: fs-admin, containerPort: {{ . }}}
+        {{- end }}
       {{- else }}
       ports:
         - {name: metrics, containerPort: 8080}
         {{- with $v.fairserve.router.api.metrics_port }}
         - {name: fs-metrics, containerPort: {{ . }}}
+        {{- end }}
+        {{- with $v.fairserve.router.api.admin_port }}
+        - {name: fs-admin, containerPort: {{ . }}}
         {{- end }}
       {{- end }}
       volumeMounts:
@@ -168,6 +182,11 @@ spec:
         {{- if $v.tenants.existingSecret }}
         - name: tenants
           mountPath: /etc/fairserve/tenants
+          readOnly: true
+        {{- end }}
+        {{- if $v.admin.existingSecret }}
+        - name: admin-tokens
+          mountPath: /etc/fairserve/admin
           readOnly: true
         {{- end }}
         {{- if eq $v.model.source "pvc" }}
