@@ -1,6 +1,7 @@
 """What the usage records cost: request lifetimes on one redis-server with them on and off.
 
     python -m cluster.benchmarks.usage_bench [--requests 3000] [--rounds 5]
+    python -m cluster.benchmarks.usage_bench --cluster [--rounds 3]
 
 A lifetime is what the queue scripts do for one served request: admitted (pipelined 32 deep),
 granted (32 per grant call) and completed with its terminal event (one pipeline per 32). With
@@ -8,6 +9,11 @@ usage records on, ``admit.lua`` and ``complete.lua`` also write the tenant's hou
 extra round trip). Each round runs both, in alternating order, on fresh keys; the table gives
 the median wall time and redis-server CPU per request of each, and their ratio. No model and
 no cluster: this is the part of the serving path the records touch.
+
+``--cluster``: ``make bench-cluster``'s workload (32 streams of 100 prompt tokens -> 64 output
+tokens, one replica, the real engine) through the whole cluster, with usage records on and
+off; the setting is read when the cluster starts, so each run starts a cluster of its own, the
+two alternating in one run.
 """
 
 from __future__ import annotations
@@ -82,12 +88,70 @@ async def bench(requests: int, rounds: int) -> None:
           f"{medians['on'][1] / max(medians['off'][1], 1e-9):>24.3f}")
 
 
+def cluster_run(retention_days: int, seed: int) -> float:
+    """Output tokens per second of bench-cluster's 32 streams on a fresh cluster."""
+    import openai
+
+    from cluster.benchmarks.cluster_bench import bench_settings, run_cluster
+    from cluster.launcher import LocalCluster, add_tenant_with_key
+    from replicas.engine.bench import make_prompts
+    from replicas.engine.loader import load_model_source
+
+    with tempfile.TemporaryDirectory(prefix="fs-usage-cluster-") as state_dir:
+        base = bench_settings(state_dir, 2, 32)
+        settings = base.model_copy(update={"queues": base.queues.model_copy(
+            update={"usage_retention_days": retention_days})})
+        tokenizer = load_model_source(settings.engine.model).tokenizer
+        cluster = LocalCluster(settings)
+        try:
+            info = cluster.start()
+            key = add_tenant_with_key(info.redis_url, Tenant(id="bench", max_queued=10_000))
+
+            async def drive() -> float:
+                client = openai.AsyncOpenAI(base_url=info.base_url, api_key=key,
+                                            max_retries=0, timeout=600)
+                try:
+                    model = settings.engine.served_model_name
+                    await run_cluster(client, model, make_prompts(tokenizer, 2, 100, seed=0), 2,
+                                      4)  # warm-up
+                    run = await run_cluster(client, model,
+                                            make_prompts(tokenizer, 32, 100, seed=seed), 32, 64)
+                    return run.tokens_per_s
+                finally:
+                    await client.close()
+
+            return asyncio.run(drive())
+        finally:
+            cluster.stop()
+
+
+def bench_cluster(rounds: int) -> None:
+    results: dict[str, list[float]] = {"on": [], "off": []}
+    for r in range(rounds):
+        for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
+            results[mode].append(cluster_run(35 if mode == "on" else 0, seed=r + 1))
+            print(f"round {r + 1} {mode}: {results[mode][-1]:.1f} tok/s", flush=True)
+    print(f"usage records on vs off through the cluster: 32 streams x 100 -> 64 tokens, one "
+          f"replica, {rounds} rounds; CPU: {platform.processor() or platform.machine()}")
+    on, off = statistics.median(results["on"]), statistics.median(results["off"])
+    print(f"{'mode':<6}{'median tok/s':>14}{'runs':>40}")
+    for mode, values in results.items():
+        print(f"{mode:<6}{statistics.median(values):>14.1f}    "
+              f"{', '.join(f'{v:.1f}' for v in values)}")
+    print(f"on/off {on / off:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cluster", action="store_true",
+                        help="through the whole cluster (bench-cluster's workload)")
     args = parser.parse_args()
-    asyncio.run(bench(args.requests, args.rounds))
+    if args.cluster:
+        bench_cluster(args.rounds)
+    else:
+        asyncio.run(bench(args.requests, args.rounds))
 
 
 if __name__ == "__main__":
