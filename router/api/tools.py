@@ -12,7 +12,9 @@ NOTE: the formats. A model calls tools in the format it was trained on, chosen p
   was tuned on calls in this layout): fairserve's own system prompt lists the tools as JSON in
   ``<tools>...</tools>``, and a call is ``<tool_call>[{"name": ..., "arguments": {...}},
   ...]</tool_call>``, one block holding the array of calls. A ``tool`` message is rendered as
-  the template renders any role (ChatML: ``<|im_start|>tool``).
+  the template renders any role (ChatML: ``<|im_start|>tool``); under ``auto``, a
+  conversation that ends with tool results gets a last system message (``RESULTS_NOTE``) that
+  asks for the answer unless another function is needed.
 The parser reads both (a block holding an array or one call object), whole or streamed.
 
 ``required`` and a named function constrain decoding to the model's format with each call's
@@ -123,6 +125,11 @@ def system_prompt(tools: Sequence[Tool], mode: str, parallel: bool,
             "The results come back in messages of the role tool.")
 
 
+# after the tool results that end a conversation, under `auto` (fairserve's format only)
+RESULTS_NOTE = ("The function results are above: use them to answer the user in plain text, "
+                "unless another function is needed.")
+
+
 @dataclass(slots=True)
 class ChatPrompt:
     """What the chat template is given: the messages, and the tools for a template that
@@ -154,6 +161,10 @@ def chat_prompt(request: ChatCompletionRequest, fmt: ToolFormat = ToolFormat.FAI
             messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{prompt}"}
         else:
             messages.insert(0, {"role": "system", "content": prompt})
+        if mode == "auto" and messages[-1]["role"] == "tool":
+            # without it, a small model calls the same function again after every result (the
+            # rule in the tools prompt alone was not enough for the default model, greedy)
+            messages.append({"role": "system", "content": RESULTS_NOTE})
     return ChatPrompt(messages)
 
 

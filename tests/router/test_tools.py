@@ -21,6 +21,7 @@ from router.api.shaper import Shape, Shaper
 from router.api.tools import (
     CLOSE,
     OPEN,
+    RESULTS_NOTE,
     StreamingCalls,
     ToolFormat,
     calls_schema,
@@ -96,12 +97,17 @@ def test_the_prompt_lists_the_tools_and_renders_past_calls_and_results() -> None
              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}])
     messages = chat_prompt(request).messages
-    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "system"]
     assert messages[0]["content"].startswith("Be brief.\n\n") and '"get_time"' in \
         messages[0]["content"]
     assert messages[2]["content"] == \
         f'{OPEN}[{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}]{CLOSE}'
     assert chat_prompt(_request(tool_choice="none")).messages[0]["role"] == "user"
+    # under auto, results that end the conversation are followed by the note asking for the
+    # answer (the 135M default model called the same function again after every result)
+    assert messages[-1] == {"role": "system", "content": RESULTS_NOTE}
+    assert chat_prompt(request.model_copy(update={"tool_choice": "required"})).messages[-1][
+        "role"] == "tool"
     # in Hermes' format (a model whose template does not render tools itself)
     hermes = chat_prompt(request, ToolFormat.HERMES).messages
     assert hermes[2]["content"] == \
