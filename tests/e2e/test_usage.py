@@ -69,8 +69,9 @@ def test_the_record_is_the_sum_of_what_the_clients_were_told(e2e: E2ECluster, ca
     assert {k: record.get(k, 0) for k in told} == told
     assert record.get("queue_ms", 0) >= 0 and record["engine_ms"] > 0
 
-    # a stream its client abandons after the first chunk: one cancelled request
-    body = {"model": MODEL, "messages": ask, "max_tokens": 200, "stream": True,
+    # a stream its client abandons after the first chunk (long enough to outlive the detach
+    # grace): one cancelled request
+    body = {"model": MODEL, "messages": ask, "max_tokens": 2000, "stream": True,
             "ignore_eos": True}
     with httpx.Client(timeout=120) as http, http.stream(
             "POST", f"{e2e.base_url}/chat/completions",
