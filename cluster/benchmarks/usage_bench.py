@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import platform
 import statistics
 import tempfile
 import time
 
+from cluster.benchmarks.peer_bench import cpu_name
 from cluster.benchmarks.serving_path import cpu_seconds
 from cluster.redis_server import EmbeddedRedis
 from router.dispatch.response_events import end_data
@@ -76,7 +76,7 @@ async def bench(requests: int, rounds: int) -> None:
             await client.aclose()
             server.stop()
     print(f"usage records on vs off: {requests} request lifetimes x {rounds} rounds, one "
-          f"redis-server; CPU: {platform.processor() or platform.machine()}")
+          f"redis-server; CPU: {cpu_name()}")
     print(f"{'mode':<6}{'wall us/request':>18}{'redis CPU us/request':>24}")
     medians = {}
     for mode, values in results.items():
@@ -132,7 +132,7 @@ def bench_cluster(rounds: int) -> None:
             results[mode].append(cluster_run(35 if mode == "on" else 0, seed=r + 1))
             print(f"round {r + 1} {mode}: {results[mode][-1]:.1f} tok/s", flush=True)
     print(f"usage records on vs off through the cluster: 32 streams x 100 -> 64 tokens, one "
-          f"replica, {rounds} rounds; CPU: {platform.processor() or platform.machine()}")
+          f"replica, {rounds} rounds; CPU: {cpu_name()}")
     on, off = statistics.median(results["on"]), statistics.median(results["off"])
     print(f"{'mode':<6}{'median tok/s':>14}{'runs':>40}")
     for mode, values in results.items():
