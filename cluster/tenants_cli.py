@@ -38,7 +38,7 @@ from cluster.admin_client import (
 from router.errors import InvalidRequestError, RouterError
 from router.state.adapters import Adapter, AdapterRegistry
 from router.state.api_keys import ApiKeys, digest, new_key
-from router.state.audit import AuditLog, cli_actor
+from router.state.audit import AuditLog, change_action, cli_actor
 from router.state.redis_client import connect, with_env_password
 from router.state.scripts import Scripts
 from router.state.tenants import Tenant, TenantStore, load_tenants, load_tenants_file, validated
@@ -348,10 +348,7 @@ async def _set(admin: Admin, args: argparse.Namespace) -> int:
         )
     before = (await admin.tenants.get(args.tenant_id)).model_dump(mode="json")
     tenant = await admin.tenants.update(args.tenant_id, **changes)
-    action = "tenant.update"
-    if set(changes) == {"disabled"}:
-        action = "tenant.disable" if changes["disabled"] else "tenant.enable"
-    await admin.record(action, tenant.id, before, tenant.model_dump(mode="json"))
+    await admin.record(change_action(changes), tenant.id, before, tenant.model_dump(mode="json"))
     print(f"updated tenant {tenant.id}: {_describe(tenant, tuple(changes))}")
     return 0
 

@@ -3,7 +3,7 @@ the HTTP layer); ``status`` and ``code`` here say which."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from router.state.rate_limits import RateLimits
@@ -37,6 +37,12 @@ class RouterError(Exception):
         self.param = param
         if code is not None:
             self.code = code
+
+
+def error_body(exc: RouterError) -> dict[str, Any]:
+    """OpenAI's error body of ``exc``: ``{"error": {message, type, param, code}}``."""
+    return {"error": {"message": exc.message, "type": exc.type, "param": exc.param,
+                      "code": exc.code}}
 
 
 class InvalidRequestError(RouterError):

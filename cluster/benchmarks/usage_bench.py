@@ -28,10 +28,10 @@ from cluster.benchmarks.peer_bench import cpu_name
 from cluster.benchmarks.serving_path import cpu_seconds
 from cluster.redis_server import EmbeddedRedis
 from router.dispatch.response_events import end_data
-from router.messages import AdmitRequest, RequestState
+from router.messages import AdmitRequest
 from router.state.queues import TenantQueues
 from router.state.redis_client import connect
-from router.state.scripts import Script, Scripts
+from router.state.scripts import Scripts
 from router.state.tenants import Tenant, TenantStore
 
 BATCH = 32
@@ -45,12 +45,9 @@ async def _lifetimes(queues: TenantQueues, prefix: str, count: int) -> None:
                               model="m") for i in range(start, min(start + BATCH, count))]
         await queues.admit_many(batch)
         grants = (await queues.grant("bench", len(batch), max_grants=len(batch))).grants
-        final = end_data("stop", 50, 20, 8, TIMINGS)
-        calls = [(g.lease, 50, 20, "stop") for g in grants]
-        # as complete_many, with a terminal event that holds cached tokens and timings
-        args = [a for c in calls
-                for a in queues._complete_args(*c, final, RequestState.COMPLETED)]
-        await queues.scripts.run(Script.COMPLETE, len(calls), *args)
+        # a terminal event that holds cached tokens and timings, as a served request's does
+        await queues.complete_many([(g.lease, 50, 20, "stop") for g in grants],
+                                   end_data("stop", 50, 20, 8, TIMINGS))
 
 
 async def bench(requests: int, rounds: int) -> None:

@@ -24,11 +24,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.errors import AuthenticationError, InvalidRequestError, RouterError
+from router.errors import AuthenticationError, InvalidRequestError, RouterError, error_body
 from router.state import keys
 from router.state.admin_tokens import AdminTokens
 from router.state.api_keys import ApiKeys, digest
-from router.state.audit import MAX_READ, AuditLog
+from router.state.audit import MAX_READ, AuditLog, change_action
 from router.state.scripts import Scripts
 from router.state.tenants import Tenant, TenantStore
 from router.state.usage import UsageReader, UsageRow
@@ -62,9 +62,7 @@ class KeyRequest(BaseModel):
 
 
 def _error(exc: RouterError) -> JSONResponse:
-    return JSONResponse({"error": {"message": exc.message, "type": exc.type,
-                                   "param": exc.param, "code": exc.code}},
-                        status_code=exc.status)
+    return JSONResponse(error_body(exc), status_code=exc.status)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,10 +139,7 @@ def _tenant_routes(app: FastAPI, stores: _Stores, Actor: Any) -> None:  # noqa: 
     async def _update(tenant_id: str, changes: dict[str, Any], who: str) -> dict[str, Any]:
         before = (await tenants.get(tenant_id)).model_dump(mode="json")
         after = (await tenants.update(tenant_id, **changes)).model_dump(mode="json")
-        action = "tenant.update"
-        if set(changes) == {"disabled"}:
-            action = "tenant.disable" if changes["disabled"] else "tenant.enable"
-        await audit.record(who, action, tenant_id, before, after)
+        await audit.record(who, change_action(changes), tenant_id, before, after)
         return after
 
 
@@ -201,6 +196,8 @@ def _report_routes(app: FastAPI, stores: _Stores, Actor: Any) -> None:  # noqa: 
             models: Annotated[list[str] | None, Query()] = None) -> dict[str, Any]:
         """OpenAI's Usage API (completions): the tenant is the project."""
         until = (end_time * 1000) if end_time else int(time.time() * 1000)
+        if until <= start_time * 1000:
+            raise InvalidRequestError("end_time must be after start_time", param="end_time")
         wanted = set(group_by or [])
         groups = [g for g, o in (("tenant", "project_id"), ("model", "model")) if o in wanted]
         rows = await usage.read(start_time * 1000, until, project_ids,

@@ -59,6 +59,7 @@ from router.errors import (
     RouterError,
     StoreFullError,
     StreamIdleError,
+    error_body,
 )
 from router.messages import Reader, ReaderKind
 from router.service import EVENT_ID, IDEMPOTENCY_KEY_MAX_CHARS, RouterService
@@ -326,13 +327,13 @@ async def _sse(service: RouterService, tenant_id: str, shaper: Shaper,
             return
     except StreamIdleError as exc:  # this reader gives up; the request goes on, detached
         observer.refused(exc)
-        yield sse_data(_error_body(exc))
+        yield sse_data(error_body(exc))
     except RouterError as exc:
         is_ended = True
-        yield sse_data(_error_body(exc))
+        yield sse_data(error_body(exc))
     except (RedisError, OSError) as exc:  # the queue store went away for good: say so
         is_ended = True
-        yield sse_data(_error_body(OverloadedError(f"the queue store is unavailable: {exc}")))
+        yield sse_data(error_body(OverloadedError(f"the queue store is unavailable: {exc}")))
     finally:  # the reader is detached by _ReaderStream
         if not is_ended:  # disconnect (or cancellation of this handler)
             observer.cancelled()
@@ -370,11 +371,6 @@ def _raise_if_failed(end: EndData) -> None:
 # ---- errors: the one place they become OpenAI bodies ----
 
 
-def _error_body(exc: RouterError) -> dict[str, Any]:
-    return {"error": {"message": exc.message, "type": exc.type, "param": exc.param,
-                      "code": exc.code}}
-
-
 def error_response(exc: RouterError) -> JSONResponse:
     headers = {}
     retry_after = getattr(exc, "retry_after_s", None)
@@ -383,7 +379,7 @@ def error_response(exc: RouterError) -> JSONResponse:
         if isinstance(exc, RateLimitError):
             headers["X-RateLimit-Reason"] = exc.reason
             headers.update(exc.headers())
-    return JSONResponse(_error_body(exc), status_code=exc.status, headers=headers)
+    return JSONResponse(error_body(exc), status_code=exc.status, headers=headers)
 
 
 def _add_error_handlers(app: FastAPI, service: RouterService) -> None:
@@ -412,7 +408,7 @@ def _add_error_handlers(app: FastAPI, service: RouterService) -> None:
         headers = dict(getattr(exc, "headers", None) or {})
         if exc.status_code == 405:  # every method of the path (Starlette names one route's)
             headers["Allow"] = ", ".join(_methods_of(app, request.url.path))
-        return JSONResponse(_error_body(error), status_code=exc.status_code,
+        return JSONResponse(error_body(error), status_code=exc.status_code,
                             headers=headers or None)
 
     @app.exception_handler(RequestValidationError)
@@ -426,7 +422,7 @@ def _add_error_handlers(app: FastAPI, service: RouterService) -> None:
             logger.warning("Redis unavailable; answering the invalid request without its key")
         message, param = describe_validation_error(exc.errors())
         service.metrics.inc("fairserve_requests", (UNKNOWN_TENANT, "refused", "invalid_request_error"))
-        return JSONResponse(_error_body(InvalidRequestError(message, param)), status_code=400)
+        return JSONResponse(error_body(InvalidRequestError(message, param)), status_code=400)
 
 
 def _methods_of(app: FastAPI, path: str) -> list[str]:

@@ -48,6 +48,14 @@ def cli_actor() -> str:
         return f"cli:uid-{os.getuid()}"
 
 
+def change_action(changes: Mapping[str, Any]) -> str:
+    """The audit action of a change of a tenant's settings: ``tenant.disable`` or
+    ``tenant.enable`` when that is all it changes, else ``tenant.update``."""
+    if set(changes) == {"disabled"}:
+        return "tenant.disable" if changes["disabled"] else "tenant.enable"
+    return "tenant.update"
+
+
 @dataclass(frozen=True, slots=True)
 class AuditEntry:
     id: str  # the stream id: <ms>-<seq>

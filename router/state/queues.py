@@ -203,14 +203,16 @@ class TenantQueues:
                                  f"failover lost the rest)", param="request_id")
         return int(reply[1])
 
-    async def complete_many(self, calls: list[tuple[Lease, int, int, str]]) -> list[int | None]:
+    async def complete_many(self, calls: list[tuple[Lease, int, int, str]],
+                            final_event: str = "{}") -> list[int | None]:
         """Completions of (lease, prompt used, output used, finish reason), one script call per
-        ``COMPLETE_BATCH``; the refund of each, or None where the lease was lost."""
+        ``COMPLETE_BATCH``, each with ``final_event`` as its stream's terminal event; the
+        refund of each, or None where the lease was lost."""
         refunds: list[int | None] = []
         for start in range(0, len(calls), COMPLETE_BATCH):
             chunk = calls[start:start + COMPLETE_BATCH]
             args = [a for c in chunk
-                    for a in self._complete_args(*c, "{}", RequestState.COMPLETED)]
+                    for a in self._complete_args(*c, final_event, RequestState.COMPLETED)]
             replies = await self.scripts.run(Script.COMPLETE, len(chunk), *args)
             refunds += [int(r[1]) if r[0] == b"ok" else None for r in replies]
         return refunds

@@ -67,7 +67,7 @@ def test_the_record_is_the_sum_of_what_the_clients_were_told(e2e: E2ECluster, ca
                                          max_tokens=4).usage)
     record = _record(e2e, "metered")
     assert {k: record.get(k, 0) for k in told} == told
-    assert record.get("queue_ms", 0) >= 0 and record["engine_ms"] > 0
+    assert record["engine_ms"] > 0  # (queue_ms may round to 0 on an idle cluster)
 
     # a stream its client abandons after the first chunk (long enough to outlive the detach
     # grace): one cancelled request

@@ -81,6 +81,11 @@ async def _scenario(url: str) -> None:
             assert (result["project_id"], result["model"], result["input_tokens"],
                     result["output_tokens"], result["input_cached_tokens"],
                     result["num_model_requests"]) == ("acme", "m", 10, 5, 3, 1)
+            backwards = await http.get("/admin/v1/organization/usage/completions",
+                                       headers=auth, params={"start_time": now_s,
+                                                             "end_time": now_s - 60})
+            assert backwards.status_code == 400
+            assert backwards.json()["error"]["param"] == "end_time"
             bucket = page["data"][0]
             assert bucket["end_time"] - bucket["start_time"] == 3600
 
