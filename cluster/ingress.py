@@ -15,46 +15,16 @@ clusters on one machine (a developer's and the test suite's) do not collide.
 
 from __future__ import annotations
 
-import random
-import socket
 import tempfile
 from pathlib import Path
 
+from cluster.ports import port_block
 from cluster.settings import FairserveSettings, Ingress
 
 ROUTER_PORTS = 64  # ports each cluster's routers may take (Ray quarantines a freed one a while)
-# One cluster's ports: HAProxy's metrics and stats, then the routers' HTTP and gRPC ranges.
+# One cluster's ports (``cluster/ports.py``): HAProxy's metrics and stats, then the routers'
+# HTTP and gRPC ranges.
 BLOCK = 2 + 2 * (ROUTER_PORTS + 1)
-# Where blocks are taken from: above Ray's worker ports (10002-19999 by default), below the
-# kernel's ephemeral range (32768+), from which outgoing connections and bind(0) take theirs.
-FIRST_PORT, END_PORT = 20_000, 32_768
-_taken: set[int] = set()  # starts of the blocks this process handed out
-
-
-def _free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def port_block(rng: random.Random | None = None) -> int:
-    """The first of ``BLOCK`` consecutive ports that are all free now, outside Ray's worker
-    ports and the ephemeral range, and never handed out before by this process.
-
-    Each port was picked from the ephemeral range before: one pick could fall inside another's
-    range, or go to an outgoing connection before HAProxy bound it ("Address already in use").
-    """
-    rng = rng or random.SystemRandom()
-    starts = list(range(FIRST_PORT, END_PORT - BLOCK + 1, BLOCK))
-    rng.shuffle(starts)
-    for start in starts:
-        if start not in _taken and all(_free(p) for p in range(start, start + BLOCK)):
-            _taken.add(start)
-            return start
-    raise RuntimeError(f"no {BLOCK} consecutive free ports in {FIRST_PORT}-{END_PORT - 1}")
 
 
 def ingress_files(env: dict[str, str]) -> Path | None:
@@ -70,7 +40,7 @@ def ingress_env(settings: FairserveSettings) -> dict[str, str]:
         return {}
     # short: HAProxy's admin socket path must fit a Unix socket's 108 bytes
     files = tempfile.mkdtemp(prefix="fs-haproxy-")
-    start = port_block()
+    start = port_block(BLOCK)
     http = start + 2
     grpc = http + ROUTER_PORTS + 1
     return {

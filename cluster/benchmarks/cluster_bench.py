@@ -34,7 +34,7 @@ import openai
 
 from cluster.benchmarks import serve_floor
 from cluster.launcher import LocalCluster, add_tenant_with_key
-from cluster.redis_server import free_port
+from cluster.ports import free_port
 from cluster.settings import FairserveSettings, load_settings
 from replicas.engine.async_engine import TorchEngine
 from replicas.engine.bench import make_prompts, run_engine

@@ -33,7 +33,7 @@ import httpx
 from cluster.benchmarks.peer_bench import cpu_name
 from cluster.benchmarks.sse import percentile, sse_events
 from cluster.launcher import LocalCluster, add_tenant_with_key
-from cluster.redis_server import free_port
+from cluster.ports import free_port
 from cluster.settings import load_settings
 from replicas.engine.bench import make_prompts
 from replicas.engine.config import EngineConfig

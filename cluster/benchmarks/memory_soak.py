@@ -38,7 +38,7 @@ from cluster.benchmarks.peer_bench import cpu_name
 from cluster.benchmarks.serving_path import find_processes, rss_mb
 from cluster.benchmarks.sse import sse_events
 from cluster.launcher import LocalCluster, add_tenant_with_key
-from cluster.redis_server import free_port
+from cluster.ports import free_port
 from cluster.settings import load_settings
 from router.state.tenants import Tenant
 

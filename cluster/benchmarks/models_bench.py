@@ -36,7 +36,7 @@ from cluster.benchmarks.fairness_bench import Client, stop_floods, ttft_cells, t
 from cluster.benchmarks.peer_bench import cpu_name
 from cluster.benchmarks.sse import percentile
 from cluster.launcher import LocalCluster, add_tenant_with_key
-from cluster.redis_server import free_port
+from cluster.ports import free_port
 from cluster.settings import load_settings
 from replicas.engine.bench import make_prompts
 from replicas.engine.config import EngineConfig

@@ -34,7 +34,7 @@ import torch
 from cluster.benchmarks import llamacpp
 from cluster.benchmarks.sse import sse_events
 from cluster.launcher import LocalCluster, add_tenant_with_key
-from cluster.redis_server import free_port
+from cluster.ports import free_port
 from cluster.settings import load_settings
 from replicas.engine.async_engine import TorchEngine
 from replicas.engine.bench import make_prompts

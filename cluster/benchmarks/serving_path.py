@@ -39,7 +39,7 @@ import httpx
 from cluster.benchmarks.peer_bench import cpu_name, run_http
 from cluster.benchmarks.token_source import token_source_factory
 from cluster.launcher import LocalCluster, add_tenant_with_key
-from cluster.redis_server import free_port
+from cluster.ports import free_port
 from cluster.settings import load_settings
 from router.state.tenants import Tenant
 

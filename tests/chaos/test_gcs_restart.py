@@ -17,7 +17,8 @@ import httpx
 import pytest
 from ray.cluster_utils import Cluster
 
-from cluster.redis_server import EmbeddedRedis, free_port
+from cluster.ports import free_port
+from cluster.redis_server import EmbeddedRedis
 from tests.chaos.factories import (
     StreamResult,
     assert_exact,

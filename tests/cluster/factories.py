@@ -14,7 +14,7 @@ from pathlib import Path
 
 import redis
 
-from cluster.redis_server import free_port
+from cluster.ports import free_port
 
 UP_TIMEOUT_S = 400
 

@@ -26,7 +26,7 @@ import pytest
 import redis
 import yaml
 
-from cluster.redis_server import free_port
+from cluster.ports import free_port
 from tests.cluster.factories import ForegroundProcess, fill_redis
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import main
-from cluster.redis_server import free_port
+from cluster.ports import free_port
 from router.errors import AuthenticationError
 from router.state.api_keys import Principal
 from router.state.redis_client import with_password

@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -28,6 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from cluster.ports import free_port
 
 pytestmark = [pytest.mark.image, pytest.mark.timeout(5400)]
 
@@ -51,12 +52,6 @@ def _in_container(container: str, script: str, timeout_s: float = 120.0) -> str:
     """Output of ``script`` run as KubeRay runs its command: a bash login shell, image's user."""
     return _buildah("run", "--isolation", "chroot", container, "--",
                     "/bin/bash", "-lc", "--", script, timeout_s=timeout_s)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def _report(line: str) -> None:
@@ -226,7 +221,7 @@ def test_image_is_a_ray_container(container: str) -> None:
 def test_fairserve_up_answers_from_the_image(container: str) -> None:
     from openai import OpenAI
 
-    port, redis_port = _free_port(), _free_port()
+    port, redis_port = free_port(), free_port()
     # NOTE: the host's network is shared: the router and the embedded Redis get free ports so
     # that this never meets another cluster on the machine (Ray picks free ports itself).
     up = _Background(container, f"ulimit -n 65536; FAIRSERVE_REDIS__PORT={redis_port} "
@@ -265,7 +260,7 @@ def test_ray_head_starts_as_kuberay_starts_it(container: str) -> None:
     """`ray start --head --block` under `bash -lc` with `ulimit -n 65536` first, then
     KubeRay's default head probes (wget on the raylet's and the GCS's health endpoints).
     Every port is a free one, on 127.0.0.1 where Ray allows it."""
-    gcs, client, dashboard, agent = (_free_port() for _ in range(4))
+    gcs, client, dashboard, agent = (free_port() for _ in range(4))
     head = _Background(container, (
         f"ulimit -n 65536; exec ray start --head --block --port={gcs} --num-cpus=1 "
         f"--node-ip-address=127.0.0.1 --ray-client-server-port={client} "

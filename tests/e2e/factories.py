@@ -11,7 +11,7 @@ from typing import Any
 import openai
 
 from cluster.launcher import LocalCluster, add_tenant_with_key
-from cluster.redis_server import free_port
+from cluster.ports import free_port
 from cluster.settings import load_settings
 from router.api.prompt_tokenizer import ModelInfo
 from router.messages import RequestRecord

@@ -15,7 +15,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from cluster.redis_server import find_redis_server, free_port
+from cluster.ports import free_port
+from cluster.redis_server import find_redis_server
 from replicas.load_report import LoadReporter
 from router.dispatch.streams import Event, ResponseStreams
 from router.errors import RouterError

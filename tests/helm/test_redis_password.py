@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from cluster.redis_server import find_redis_server, free_port
+from cluster.ports import free_port
+from cluster.redis_server import find_redis_server
 from tests.helm.chart import of_kind, render, values_of
 
 AUTH = {"redis": {"embedded": {"auth": {"enabled": True, "existingSecret": "managed-redis"}}}}

@@ -16,7 +16,8 @@ import yaml
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
 from cluster.app import build_app
-from cluster.redis_server import EmbeddedRedis, free_port
+from cluster.ports import free_port
+from cluster.redis_server import EmbeddedRedis
 from cluster.settings import load_settings
 from router.api.prompt_tokenizer import ModelInfo
 from tests.helm.chart import PROFILES, REPO, render, serve_config, values_of

@@ -7,7 +7,8 @@ import subprocess
 import pytest
 import redis.exceptions
 
-from cluster.redis_server import EmbeddedRedis, find_redis_server, free_port
+from cluster.ports import free_port
+from cluster.redis_server import EmbeddedRedis, find_redis_server
 from router.state.redis_client import (
     PackedConnection,
     RedisNotReadyError,

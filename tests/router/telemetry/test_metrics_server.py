@@ -9,7 +9,7 @@ import socket
 
 import httpx
 
-from cluster.redis_server import free_port
+from cluster.ports import free_port
 from router.telemetry.metrics_server import MetricsServer
 
 
