@@ -40,6 +40,9 @@ INFLIGHT_TOKENS = "inflight_tokens"  # the replica metrics of record_autoscaling
 TOKENS_PER_S = "tokens_per_s"
 BACKLOG_READ_S = 0.5  # the policy runs every control loop (0.1 s); Redis is read at most this often
 DECISION_TTL_S = 60
+# the decisions' counters (a Prometheus counter): kept while the pool decides, gone a week after
+# its model left the settings
+DECISION_COUNTS_TTL_S = 7 * 24 * 3600
 
 
 class AutoscaleSettings(BaseModel):
@@ -202,8 +205,9 @@ class BacklogPolicy:
         try:
             pipe = self._redis().pipeline(transaction=False)
             pipe.set(keys.autoscaler(self.pool), json.dumps(record), ex=DECISION_TTL_S)
-            pipe.hincrby(keys.autoscaler_decisions(self.pool), _direction(inputs.target,
-                                                                 decision.replicas))
+            counts = keys.autoscaler_decisions(self.pool)
+            pipe.hincrby(counts, _direction(inputs.target, decision.replicas))
+            pipe.expire(counts, DECISION_COUNTS_TTL_S)
             pipe.execute()
         except (RedisError, OSError) as exc:
             logger.warning("autoscaler cannot record its decision: %s", exc)

@@ -322,7 +322,7 @@ def router_node(holder: str) -> str:
 
 def autoscaler_decisions(pool: str = "") -> str:
     """HASH: the autoscaler's decisions counted by direction (up, down, hold), of one
-    model's replicas."""
+    model's replicas (expires ``cluster.autoscaling.DECISION_COUNTS_TTL_S`` after the last)."""
     return _in_pool(_TEMPLATES["autoscaler_decisions"], pool)
 
 

@@ -12,6 +12,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from cluster.app import autoscaling_config
 from cluster.autoscaling import (
+    DECISION_COUNTS_TTL_S,
     AutoscaleSettings,
     BacklogPolicy,
     ScalingInputs,
@@ -133,6 +134,7 @@ def test_the_ray_policy_reads_the_backlog_from_redis_and_records_its_decision(
     assert record["queued_tokens"] == 3300 and record["queued_requests"] == 11
     assert record["decision_replicas"] == 4 and record["decision_reason"].startswith("scale from")
     assert redis_client.hget(keys.autoscaler_decisions(), "up") == b"1"
+    assert 0 < redis_client.ttl(keys.autoscaler_decisions()) <= DECISION_COUNTS_TTL_S
     BacklogPolicy(redis_server.url, settings.model_dump(), pool="big")(_context(0, 0, {}, {}))
     record = json.loads(redis_client.get(keys.autoscaler("big")))
     assert record["queued_tokens"] == 1500 and record["queued_requests"] == 5
