@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, cast
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from redis.exceptions import WatchError
 
 from router.errors import ConflictError, InvalidRequestError, NotFoundError
 from router.state import keys
@@ -29,6 +30,7 @@ from router.state.api_keys import digest
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
+    from redis.asyncio.client import Pipeline
 
 TOKEN_PREFIX = "fsa-"
 MAX_ADMIN_TOKENS = 100
@@ -68,20 +70,30 @@ class AdminTokens:
         self.client = client
 
     async def create(self, label: str = "") -> tuple[AdminToken, str]:
-        """A new token and its secret (shown once; only the digest is kept)."""
-        if await self.client.hlen(keys.admin_tokens()) >= MAX_ADMIN_TOKENS:
-            raise ConflictError(f"there are {MAX_ADMIN_TOKENS} admin tokens already: revoke "
-                                "one first", param="label")
+        """A new token and its secret (shown once; only the digest is kept). The count is
+        checked and the token stored in one transaction (WATCH), so concurrent creators cannot
+        pass ``MAX_ADMIN_TOKENS`` together."""
         token_id, secret = new_token()
-        return await self._store(token_id, label, digest(secret)), secret
+        while True:
+            async with self.client.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(keys.admin_tokens())
+                    if await pipe.hlen(keys.admin_tokens()) >= MAX_ADMIN_TOKENS:
+                        raise ConflictError(f"there are {MAX_ADMIN_TOKENS} admin tokens "
+                                            "already: revoke one first", param="label")
+                    pipe.multi()
+                    token = self._store(pipe, token_id, label, digest(secret))
+                    await pipe.execute()
+                    return token, secret
+                except WatchError:  # another change came between: count again
+                    continue
 
-    async def _store(self, token_id: str, label: str, token_digest: str) -> AdminToken:
+    @staticmethod
+    def _store(pipe: Pipeline, token_id: str, label: str, token_digest: str) -> AdminToken:
         token = AdminToken(token_id, label, int(time.time() * 1000))
-        pipe = self.client.pipeline(transaction=True)
         pipe.hset(keys.admin_token(token_digest), mapping={
             "id": token.id, "label": label, "created_ms": token.created_ms})
         pipe.hset(keys.admin_tokens(), token.id, token_digest)
-        await pipe.execute()
         return token
 
     async def load_file(self, path: str | Path) -> tuple[list[str], list[str]]:
@@ -101,7 +113,9 @@ class AdminTokens:
             if known.get(entry.id) != entry.sha256:
                 if entry.id in known:  # the file changed a token's secret: the old one goes
                     await self.revoke(entry.id)
-                await self._store(entry.id, entry.label, entry.sha256)
+                pipe = self.client.pipeline(transaction=True)
+                self._store(pipe, entry.id, entry.label, entry.sha256)
+                await pipe.execute()
                 added.append(entry.id)
         listed = {e.id for e in document.admin_tokens}
         revoked = []

@@ -143,3 +143,28 @@ def test_a_tokens_file_is_reconciled_and_leaves_the_clis_tokens_alone(redis_url,
             await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_concurrent_creators_never_pass_the_token_cap(redis_url) -> None:
+    """The count and the insert are one transaction: 20 creators at once, 5 below the cap,
+    make exactly 5 tokens and 15 conflicts (each on its own connection)."""
+    from router.errors import ConflictError
+    from router.state.admin_tokens import MAX_ADMIN_TOKENS
+
+    async def scenario() -> None:
+        clients = [connect(redis_url) for _ in range(20)]
+        try:
+            for _ in range(MAX_ADMIN_TOKENS - 5):
+                await AdminTokens(clients[0]).create("filler")
+            results = await asyncio.gather(*(AdminTokens(c).create(f"c{i}")
+                                             for i, c in enumerate(clients)),
+                                           return_exceptions=True)
+            made = [r for r in results if not isinstance(r, BaseException)]
+            refused = [r for r in results if isinstance(r, ConflictError)]
+            assert (len(made), len(refused)) == (5, 15), results
+            assert len(await AdminTokens(clients[0]).list()) == MAX_ADMIN_TOKENS
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    asyncio.run(scenario())
