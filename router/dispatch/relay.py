@@ -26,9 +26,9 @@ goes back to its queue). Each migration is counted (``fairserve_migrations_total
 What triggers one: the replica's stream failing (the actor died, was killed at the end of a
 graceful drain that outlasted its timeout, or cannot be reached), the replica losing Redis for
 longer than it rides out, and a stall. A Ray stream from a frozen process can hang its caller
-for ever, so the relay does not trust it to end: a running call reports at least every second
-(``replicas/server.py``, ``HEARTBEAT_S``), and when no report came for ``stall_timeout_s`` it
-looks at the replica's heartbeat in Redis (its load
+for ever, so the relay does not trust it to end: a running call reports at least every 5 s
+while it makes chunks (``replicas/server.py``, ``HEARTBEAT_S``), and when no report came for
+``stall_timeout_s`` it looks, every ``stall_check_s``, at the replica's heartbeat in Redis (its load
 report, every ``report_interval_s``, with its engine's step count). A replica that stopped
 reporting, or whose engine has made no step for ``stall_timeout_s`` while it has work, is
 stalled: its stream is cancelled and the request moves. A slow but healthy engine (a long
