@@ -54,7 +54,6 @@ from router.messages import (
     CancelOutcome,
     Reader,
     ReaderKind,
-    RequestState,
     StreamEvent,
 )
 from router.state import keys, nodes
@@ -522,9 +521,6 @@ class RouterService:
         if outcome is CancelOutcome.FLAGGED:
             for dispatcher in self.dispatchers:
                 dispatcher.abort_local(request_id)
-
-    async def request_state(self, tenant_id: str, request_id: str) -> RequestState:
-        return (await self.queues.get(tenant_id, request_id)).state
 
     # ---- readiness ----
 

@@ -277,10 +277,6 @@ def pools() -> str:
     return _TEMPLATES["pools"]
 
 
-def vtime() -> str:
-    return _TEMPLATES["vtime"]
-
-
 def leases(pool: str = "") -> str:
     return _in_pool(_TEMPLATES["leases"], pool)
 
@@ -335,6 +331,3 @@ def router_metrics(holder: str) -> str:
     """One router's metrics snapshot (JSON, expires after ``router.telemetry.metrics.SNAPSHOT_TTL_S``)."""
     return _TEMPLATES["router_metrics"] % holder
 
-
-def lease_member(tenant_id: str, request_id: str) -> str:
-    return f"{tenant_id} {request_id}"

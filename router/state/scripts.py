@@ -108,16 +108,12 @@ class Scripts:
         except redis.exceptions.ResponseError as exc:
             raise script_error(exc) from exc
 
-    async def run_many(self, script: Script, calls: list[tuple[Any, ...]]) -> list[Any]:
-        """One pipeline (no MULTI) of calls of one script; replies in order."""
-        replies, _ = await self.run_many_acked(script, calls, 0, 0)
-        return replies
-
     async def run_many_acked(self, script: Script, calls: list[tuple[Any, ...]], replicas: int,
                              timeout_ms: int) -> tuple[list[Any], int]:
-        """As ``run_many``, and with ``replicas`` > 0 a ``WAIT replicas timeout_ms`` at the end
-        of the same pipeline (so on the connection that made the writes, which is what WAIT
-        counts): the replies and how many replicas acknowledged them (0 without a WAIT)."""
+        """One pipeline (no MULTI) of calls of one script, replies in order; with ``replicas`` > 0
+        a ``WAIT replicas timeout_ms`` at the end of the same pipeline (so on the connection that
+        made the writes, which is what WAIT counts): the replies and how many replicas
+        acknowledged them (0 without a WAIT)."""
         if not calls:
             return [], 0
         if script not in self._shas:
