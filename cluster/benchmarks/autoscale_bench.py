@@ -1,7 +1,7 @@
 """Autoscaling reaction time: from a backlog rising to a new replica serving, phase by phase.
 
     python -m cluster.benchmarks.autoscale_bench [--rounds 3] [--burst 60] [--output-tokens 64]
-                                      [--variants prepared gguf]
+                                      [--variants prepared gguf] [--plot PATH.svg]
 
 One cluster (``fairserve``'s launcher: embedded Redis, local Ray of 2 CPUs, the default model,
 replicas of 0.5 CPU and one torch thread, autoscaling 1-2 on the backlog with the default
@@ -15,7 +15,9 @@ watches Redis every 0.1 s for three moments, each measured from the burst's star
 * serving: the new replica holds a request (the router saw it and granted it work).
 
 The burst is then waited out, the deployment left to return to one replica, and the next round
-begins. Variants, each on a cluster of its own, one after the other: *prepared* replicas load
+begins. Every poll also samples the backlog (the autoscaler's own backlog script), the replicas
+the autoscaler asks for, those reporting and those serving; ``--plot PATH`` draws the first
+round's samples of the first variant as an SVG chart (``cluster/benchmarks/plot.py``). Variants, each on a cluster of its own, one after the other: *prepared* replicas load
 the model from its prepared copy (``engine.model_cache_dir``, the default), *gguf* ones parse
 and dequantize the GGUF file at every start (``model_cache_dir: null``). The table shows every
 round and the medians; beside them, Ray Serve's default policy waits ``upscale_delay_s`` = 30 s
@@ -38,12 +40,14 @@ import openai
 import redis.asyncio as aioredis
 
 from cluster.autoscaling import AutoscaleSettings
+from cluster.benchmarks.plot import Panel, Series, write_chart
 from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.ports import free_port
 from cluster.settings import load_settings
 from router.state import keys
 from router.state.capacity import ReplicaLoad, read_loads
 from router.state.redis_client import connect
+from router.state.scripts import Script, script_source
 from router.state.tenants import Tenant
 
 RAY_DEFAULT_UPSCALE_DELAY_S = 30.0
@@ -52,11 +56,21 @@ VARIANTS = ("prepared", "gguf")
 
 
 @dataclass(frozen=True, slots=True)
+class Sample:
+    t_s: float  # from the burst's start
+    backlog_tokens: int  # queued, not yet granted (the autoscaler's backlog script)
+    wanted: int  # replicas the autoscaler's last published decision asks for
+    reporting: int  # replicas with a load report
+    serving: int  # replicas holding at least one request
+
+
+@dataclass(frozen=True, slots=True)
 class Round:
     decided_s: float | None  # None: the decision record was not seen (overwritten in between)
     started_s: float | None  # None: the load report appeared after the first grant's poll
     serving_s: float
     queued_tokens: int  # the backlog the scale-up decision saw
+    timeline: list[Sample]
 
 
 async def one_round(client: openai.AsyncOpenAI, redis_url: str, model: str, burst: int,
@@ -66,28 +80,55 @@ async def one_round(client: openai.AsyncOpenAI, redis_url: str, model: str, burs
         (first,) = await _until(redis, lambda loads: len(loads) == 1, timeout_s)
         start = time.monotonic()
         tasks = [asyncio.create_task(_ask(client, model, i, output_tokens)) for i in range(burst)]
+        burst_done = asyncio.ensure_future(asyncio.gather(*tasks))
         decided = started = serving = None
         queued = 0
-        while serving is None:
+        timeline: list[Sample] = []
+        while not (serving is not None and burst_done.done()):
             now = time.monotonic() - start
             if now > timeout_s:
-                raise TimeoutError(f"no second replica serving after {timeout_s} s")
-            if decided is None:
-                raw = await redis.get(keys.autoscaler())
-                record = json.loads(raw) if raw else {}
-                if record.get("decision_replicas", 0) >= 2:
-                    decided, queued = now, int(record.get("queued_tokens", 0))
-            others = [x for x in await read_loads(redis) if x.replica_id != first.replica_id]
+                raise TimeoutError(f"burst not served with a second replica after {timeout_s} s")
+            raw = await redis.get(keys.autoscaler())
+            record = json.loads(raw) if raw else {}
+            if decided is None and record.get("decision_replicas", 0) >= 2:
+                decided, queued = now, int(record.get("queued_tokens", 0))
+            loads = await read_loads(redis)
+            others = [x for x in loads if x.replica_id != first.replica_id]
             if others and started is None:
                 started = now
-            if any(x.ongoing > 0 for x in others):
+            if serving is None and any(x.ongoing > 0 for x in others):
                 serving = now
+            timeline.append(Sample(now, await _backlog_tokens(redis),
+                                   int(record.get("decision_replicas", 1)), len(loads),
+                                   sum(1 for x in loads if x.ongoing > 0)))
             await asyncio.sleep(POLL_S)
-        await asyncio.gather(*tasks)
+        await burst_done
         await _until(redis, lambda loads: len(loads) == 1, timeout_s)  # back to one
-        return Round(decided, started, serving, queued)
+        assert serving is not None
+        return Round(decided, started, serving, queued, timeline)
     finally:
         await redis.aclose()
+
+
+async def _backlog_tokens(redis: aioredis.Redis) -> int:
+    rows = await redis.eval(script_source(Script.BACKLOG), 0, "")  # tenant, pool, ..., tokens
+    return sum(int(r[4]) for r in rows)
+
+
+def plot_round(path: str, variant: str, r: Round, burst: int, output_tokens: int) -> None:
+    def series(name: str, values: list[float]) -> Series:
+        return Series(name, [(x.t_s, v) for x, v in zip(r.timeline, values, strict=True)])
+
+    marks = [(t, label) for t, label in ((r.decided_s, "decided"), (r.started_s, "up"),
+                                         (r.serving_s, "serving")) if t is not None]
+    backlog = Panel("backlog (tokens)",
+                    [series("queued tokens", [x.backlog_tokens for x in r.timeline])], marks)
+    replicas = Panel("replicas", [series("asked for", [x.wanted for x in r.timeline]),
+                                  series("reporting", [x.reporting for x in r.timeline]),
+                                  series("serving", [x.serving for x in r.timeline])], marks)
+    title = (f"Autoscaling on the backlog: a burst of {burst} x {output_tokens} tokens "
+             f"({variant} replicas)")
+    print(f"plot: {write_chart(path, title, 'seconds from the burst', [backlog, replicas])}")
 
 
 async def _until(redis: aioredis.Redis, predicate: Callable[[list[ReplicaLoad]], bool],
@@ -189,6 +230,8 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=60)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--plot", metavar="PATH.svg",
+                        help="draw the first variant's first round as an SVG chart")
     args = parser.parse_args()
     scaling = AutoscaleSettings(min_replicas=1, max_replicas=2, downscale_delay_s=5.0)
     results = {variant: run_variant(args, scaling, variant) for variant in args.variants}
@@ -196,6 +239,9 @@ def main() -> None:
     print(f"burst of {args.burst} requests x {args.output_tokens} output tokens at one idle "
           "replica (0.5 CPU, 1 torch thread, default model); times from the burst's start")
     print_table(results, scaling)
+    if args.plot:
+        variant = args.variants[0]
+        plot_round(args.plot, variant, results[variant][0], args.burst, args.output_tokens)
 
 
 if __name__ == "__main__":
