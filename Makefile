@@ -90,7 +90,7 @@ bench-tracing: $(STAMP)
 	$(PY) -m cluster.benchmarks.trace_bench
 
 bench-autoscale: $(STAMP)
-	$(PY) -m cluster.benchmarks.autoscale_bench
+	$(PY) -m cluster.benchmarks.autoscale_bench --plot docs/img/autoscale-timeline.svg
 
 bench-fairness: $(STAMP)
 	$(PY) -m cluster.benchmarks.fairness_bench

@@ -35,11 +35,11 @@ class Panel:
 
 
 def nice_max(value: float) -> float:
-    """The smallest of 1, 2, 2.5 or 5 times a power of ten that is >= ``value`` (> 0)."""
+    """The smallest of 1, 1.5, 2, 2.5, 3, 4, 5, 6 or 8 times a power of ten >= ``value``."""
     if value <= 0:
         return 1.0
     power = 10 ** math.floor(math.log10(value))
-    for step in (1, 2, 2.5, 5, 10):
+    for step in (1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10):
         if step * power >= value:
             return step * power
     return 10 * power
@@ -85,10 +85,11 @@ def _panel(panel: Panel, top: float, plot_w: float, x_max: float, x_label: str) 
                    f'{_tick(y)}</text>')
         out.append(f'<text x="{sx(x):.1f}" y="{bottom + 15}" text-anchor="middle">'
                    f'{_tick(x)}</text>')
-    for x, label in panel.marks:
+    for k, (x, label) in enumerate(panel.marks):  # labels on alternate rows: close marks
         out.append(f'<line x1="{sx(x):.1f}" y1="{top}" x2="{sx(x):.1f}" y2="{bottom}" '
                    'stroke="#aaa" stroke-dasharray="4 3"/>')
-        out.append(f'<text x="{sx(x) + 3:.1f}" y="{top + 12}" fill="#555">{escape(label)}</text>')
+        out.append(f'<text x="{sx(x) + 3:.1f}" y="{top + 12 + 13 * (k % 2)}" fill="#555">'
+                   f'{escape(label)}</text>')
     for j, series in enumerate(panel.series):
         colour = COLOURS[j % len(COLOURS)]
         out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.6" '

@@ -11,9 +11,9 @@ from cluster.benchmarks.plot import Panel, Series, chart_svg, nice_max, write_ch
 SVG = "{http://www.w3.org/2000/svg}"
 
 
-def test_nice_max_rounds_up_to_one_two_two_and_a_half_or_five():
-    assert [nice_max(v) for v in (0, 0.7, 1, 3, 21, 240, 251, 999)] == [
-        1.0, 1.0, 1, 5, 25, 250, 500, 1000]
+def test_nice_max_rounds_up_to_a_round_figure():
+    assert [nice_max(v) for v in (0, 0.7, 1, 3, 21, 26, 240, 251, 3789, 999)] == [
+        1.0, 0.8, 1, 3, 25, 30, 250, 300, 4000, 1000]
 
 
 def test_a_chart_draws_each_series_as_steps_inside_its_panel(tmp_path):
