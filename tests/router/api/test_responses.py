@@ -1,4 +1,4 @@
-"""The Responses API's pieces (router/api/responses.py, router/state/responses.py): input items
+"""The Responses API's pieces (router/api/responses/, router/state/responses.py): input items
 as chat messages, bad fields named as the Responses request names them, an answer as output
 items and as the typed stream events, and the store: per tenant, bounded, expiring."""
 
@@ -11,10 +11,10 @@ import pytest
 from router.api.responses import (
     ResponsesRequest,
     StreamEvents,
-    _skeleton,
     chat_request,
     finished,
     input_messages,
+    response_skeleton,
 )
 from router.dispatch.response_events import EndData
 from router.errors import InvalidRequestError
@@ -70,7 +70,7 @@ def test_bad_fields_are_named_as_the_responses_request_names_them(fields, param)
 
 def test_an_answer_is_output_items_whole_and_as_stream_events() -> None:
     request = _request(tools=[TOOL])
-    skeleton = _skeleton(request, "resp_abc", 1, "in_progress")
+    skeleton = response_skeleton(request, "resp_abc", 1, "in_progress")
     completion = {"choices": [{"finish_reason": "tool_calls", "message": {
         "role": "assistant", "content": "Let me check.", "tool_calls": [
             {"id": "call_1", "type": "function",
