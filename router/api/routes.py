@@ -28,7 +28,7 @@ from router.api.openai_models import (
 )
 from router.api.openapi import openapi_document
 from router.api.reply import reply
-from router.api.responses import register as register_responses
+from router.api.responses.routes import register as register_responses
 from router.api.resume import resume
 from router.api.tenant_gate import TenantGate
 from router.dispatch.streams import ReadPoint

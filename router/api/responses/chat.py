@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from router.api.error_handlers import describe_validation_error
 from router.api.openai_models import ChatCompletionRequest
-from router.api.responses.request import (
+from router.api.responses import (
     FunctionCallItem,
     FunctionCallOutputItem,
     MessageItem,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from router.api.responses.request import ResponsesRequest
+from router.api.responses import ResponsesRequest
 from router.dispatch.response_events import EndData
 
 

@@ -19,10 +19,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from router.api.auth import ApiKey
 from router.api.end_errors import raise_if_failed
+from router.api.responses import ResponsesRequest
 from router.api.responses.chat import chat_request
 from router.api.responses.objects import ResponseDeleted, ResponseObject
 from router.api.responses.output import finished, response_id, response_skeleton
-from router.api.responses.request import ResponsesRequest
 from router.api.responses.stream_events import StreamEvents
 from router.api.shaper import Shaper
 from router.dispatch.response_events import ChunkData, EndData

@@ -8,14 +8,10 @@ import json
 
 import pytest
 
-from router.api.responses import (
-    ResponsesRequest,
-    StreamEvents,
-    chat_request,
-    finished,
-    input_messages,
-    response_skeleton,
-)
+from router.api.responses import ResponsesRequest
+from router.api.responses.chat import chat_request, input_messages
+from router.api.responses.output import finished, response_skeleton
+from router.api.responses.stream_events import StreamEvents
 from router.dispatch.response_events import EndData
 from router.errors import InvalidRequestError
 from router.state import keys
