@@ -74,7 +74,6 @@ RepeatEventId = Annotated[str | None, Header(
     "stream after this event id")]
 
 
-
 def build_api(service: RouterService) -> FastAPI:
     app = FastAPI(title="fairserve", version="0.1.0",
                   description="OpenAI-compatible API of a multi-tenant LLM serving cluster")
@@ -108,6 +107,13 @@ def build_api(service: RouterService) -> FastAPI:
         principal = await service.authenticate(authorization)
         return {"object": "list", "data": await service.model_cards(principal.tenant_id)}
 
+    _chat_routes(app, service)
+    _completion_routes(app, service)
+    register_responses(app, service, ERROR_RESPONSES)
+    return app
+
+
+def _chat_routes(app: FastAPI, service: RouterService) -> None:
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses={
         **ERROR_RESPONSES, 200: {"description": "a completion, or with stream=true an SSE "
                                  "stream of chat.completion.chunk objects", "content": SSE}})
@@ -130,6 +136,8 @@ def build_api(service: RouterService) -> FastAPI:
         return await resume(service, True, request_id, stream, starting_after or last_event_id,
                              param, authorization)
 
+
+def _completion_routes(app: FastAPI, service: RouterService) -> None:
     @app.post("/v1/completions", response_model=Completion, responses={
         **ERROR_RESPONSES, 200: {"description": "a completion, or with stream=true an SSE "
                                  "stream of text_completion objects", "content": SSE}})
@@ -151,9 +159,6 @@ def build_api(service: RouterService) -> FastAPI:
         param = "starting_after" if starting_after else "Last-Event-ID"
         return await resume(service, False, request_id, stream, starting_after or last_event_id,
                              param, authorization)
-
-    register_responses(app, service, ERROR_RESPONSES)
-    return app
 
 
 async def _respond(service: RouterService, body: ChatCompletionRequest | CompletionRequest,
