@@ -12,6 +12,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -116,7 +117,7 @@ async def granted(h: Harness, request_id: str = "r1", n: int = 1) -> Grant:
 
 
 async def stream_of(h: Harness, grant: Grant) -> list[ChunkData | EndData]:
-    raw = await h.client.xrange(keys.stream(grant.tenant_id, grant.request_id))
+    raw: Any = await h.client.xrange(keys.stream(grant.tenant_id, grant.request_id))
     return [response_events.parse(StreamEvent(i.decode(), f[b"type"].decode(),
                                                f[b"data"].decode())) for i, f in raw]
 
