@@ -1,9 +1,11 @@
 """The OpenAI-compatible router, by concern, in the order a request meets them:
 
-- ``router.api``: the HTTP API. Routes and SSE (``routes``), OpenAI's schemas
-  (``openai_models``) and the served OpenAPI document (``openapi``), the checks a request
-  passes before it is queued (``sampling``, ``prompt_tokenizer``), and the OpenAI objects
-  built from response events (``shaper``).
+- ``router.api``: the HTTP API. The route table (``routes``), answers whole or as SSE
+  (``reply``, ``sse``), resuming (``resume``), errors as OpenAI bodies (``error_handlers``),
+  the middleware (``tenant_gate``, ``body_limit``), the Responses API (``responses``),
+  OpenAI's schemas (``openai_models``) and the served OpenAPI document (``openapi``), the
+  checks a request passes before it is queued (``sampling``, ``prompt_tokenizer``), and the
+  OpenAI objects built from response events (``shaper``).
 - ``router.service``: the request path below HTTP: authenticate, validate, admit, read back.
 - ``router.state``: what lives in Redis: the client (``redis_client``), every key
   (``keys``), the Lua scripts (``scripts``, ``scripts/*.lua``), the tenant queues

@@ -2,8 +2,8 @@
 tenant, admit into the tenant's queue, and read the response stream back.
 
 One ``RouterService`` per router replica. It owns the Redis client and the dispatcher loop
-(``router/dispatch/dispatcher.py``); the HTTP layer (``router/api/routes.py``) turns its results and errors into
-OpenAI responses. Admissions wake the local dispatcher directly and the others through the
+(``router/dispatch/dispatcher.py``); the HTTP layer (``router/api/routes.py``) turns its results
+into OpenAI responses, and ``router/api/error_handlers.py`` its errors. Admissions wake the local dispatcher directly and the others through the
 Redis wake channel.
 """
 

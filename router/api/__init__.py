@@ -1,2 +1,3 @@
 """The HTTP API: OpenAI's routes and schemas, the checks before a request is queued, and the
-OpenAI objects shaped from its response events. Errors become OpenAI bodies in ``routes``."""
+OpenAI objects shaped from its response events. The route table is ``routes``; errors become
+OpenAI bodies in ``error_handlers`` alone."""

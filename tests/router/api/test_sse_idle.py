@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
-from router.api.routes import _reply
+from router.api.reply import reply
 from router.api.shaper import Shape
 from router.dispatch.response_events import ChunkData
 from router.dispatch.streams import ReadPoint
@@ -49,8 +49,8 @@ def test_an_idle_stream_says_so_and_detaches() -> None:
         service, metrics = IdleService(), MetricsStore()
         observer = RequestObserver(metrics, None)
         observer.tenant = "acme"
-        response = await _reply(service, reader,  # type: ignore[arg-type]
-                                Shape("chatcmpl-1", True, "m", 1, 3), observer, True, ReadPoint())
+        response = await reply(service, reader,  # type: ignore[arg-type]
+                               Shape("chatcmpl-1", True, "m", 1, 3), observer, True, ReadPoint())
         sent: list[dict[str, Any]] = []
 
         async def receive() -> dict[str, Any]:

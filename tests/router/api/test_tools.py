@@ -14,9 +14,9 @@ from pydantic import ValidationError
 from replicas.engine.config import EngineConfig
 from replicas.grammar import MAX_FORCED_CALLS, GrammarError, check_grammar, grammar_for
 from replicas.model_info import describe_model
+from router.api.error_handlers import describe_validation_error
 from router.api.openai_models import ChatCompletionRequest
 from router.api.prompt_tokenizer import PromptTokenizer
-from router.api.routes import describe_validation_error
 from router.api.shaper import Shape, Shaper
 from router.api.tools import (
     CLOSE,
@@ -34,7 +34,7 @@ from router.dispatch.response_events import ChunkData, EndData
 from router.errors import TOOL_REFERENCE, InvalidRequestError
 from router.telemetry.request_observer import PhaseTimes
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

@@ -1,4 +1,4 @@
-"""The Responses API's pieces (router/api/responses.py, router/state/responses.py): input items
+"""The Responses API's pieces (router/api/responses/, router/state/responses.py): input items
 as chat messages, bad fields named as the Responses request names them, an answer as output
 items and as the typed stream events, and the store: per tenant, bounded, expiring."""
 
@@ -8,14 +8,10 @@ import json
 
 import pytest
 
-from router.api.responses import (
-    ResponsesRequest,
-    StreamEvents,
-    _skeleton,
-    chat_request,
-    finished,
-    input_messages,
-)
+from router.api.responses import ResponsesRequest
+from router.api.responses.chat import chat_request, input_messages
+from router.api.responses.output import finished, response_skeleton
+from router.api.responses.stream_events import StreamEvents
 from router.dispatch.response_events import EndData
 from router.errors import InvalidRequestError
 from router.state import keys
@@ -70,7 +66,7 @@ def test_bad_fields_are_named_as_the_responses_request_names_them(fields, param)
 
 def test_an_answer_is_output_items_whole_and_as_stream_events() -> None:
     request = _request(tools=[TOOL])
-    skeleton = _skeleton(request, "resp_abc", 1, "in_progress")
+    skeleton = response_skeleton(request, "resp_abc", 1, "in_progress")
     completion = {"choices": [{"finish_reason": "tool_calls", "message": {
         "role": "assistant", "content": "Let me check.", "tool_calls": [
             {"id": "call_1", "type": "function",
