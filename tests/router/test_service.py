@@ -190,8 +190,8 @@ def test_cancelling_a_queued_request_takes_it_out_and_ends_its_stream(
         submission = await service.submit(principal, chat(model, max_tokens=5), None)
         await service.cancel("t", submission.request_id)
 
-        assert await service.request_state("t", submission.request_id) is \
-            RequestState.CANCELLED
+        record = await service.queues.get("t", submission.request_id)
+        assert record.state is RequestState.CANCELLED
         assert (await service.queues.grant(HOLDER, 1)).grants == []
         ((_, end),) = await collect(service.events("t", submission.request_id))
         assert isinstance(end, EndData) and end.outcome == "cancelled"
