@@ -2,6 +2,10 @@
 served model (the default one is ``ModelReplica``, another ``ModelReplica-<its name>``) and
 the router ingress deployment bound to them all.
 
+The replicas import nothing of the router; what they do in the router's Redis structures (their
+calls' response streams, their load reports) and their tracing setup is the router's code,
+bound here into a ``ReplicaServices`` (``replica_services``) that each replica deployment gets.
+
 The ``OTEL_*`` variables of the process that builds the application are handed to both
 deployments (their actors may run on other nodes of an existing Ray cluster, which do not
 inherit this environment), so tracing is configured where ``fairserve up`` runs; those that
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from ray import serve
@@ -26,10 +31,14 @@ from cluster.settings import (
     ServedModelSettings,
 )
 from replicas.engine.local_path import absolute_path
+from replicas.protocol import ModelInfo, ReplicaServices
 from replicas.server import EngineFactory, ModelReplica, ReplicaOptions
-from router.api.prompt_tokenizer import ModelInfo
 from router.dispatch.prefix_affinity import PrefixAffinityRouter
+from router.dispatch.stream_writer import StreamWriter
 from router.server import RoutedModel, RouterServer
+from router.state.load_report import LoadReporter
+from router.state.nodes import this_node
+from router.telemetry.tracing import configure_tracing
 
 REPLICA_DEPLOYMENT = "ModelReplica"
 ROUTER_DEPLOYMENT = "Router"
@@ -78,7 +87,6 @@ def _replica_deployment(settings: FairserveSettings, model: ServedModelSettings,
     options = ReplicaOptions(
         engine=model.engine,
         max_ongoing_requests=r.max_ongoing_requests,
-        redis_url=redis_url,
         report_interval_s=r.report_interval_s,
         drain_timeout_s=r.graceful_shutdown_timeout_s,
     )
@@ -96,7 +104,17 @@ def _replica_deployment(settings: FairserveSettings, model: ServedModelSettings,
         # Ray Serve's own wait comes on top of the replica's drain in __del__
         graceful_shutdown_timeout_s=r.graceful_shutdown_timeout_s + REPLICA_STOP_MARGIN_S,
         request_router_config=request_router_config(model),
-    ).bind(options, engine_factory)  # type: ignore[attr-defined]
+    ).bind(options, replica_services(redis_url), engine_factory)  # type: ignore[attr-defined]
+
+
+def replica_services(redis_url: str) -> ReplicaServices:
+    """The router's code a model replica runs (``replicas.protocol.services``): its calls'
+    response streams and its load reports in the Redis at ``redis_url`` (as written: each
+    replica adds the password from its own environment), the router's tracing setup, and
+    where it runs. Classes and module functions, so Ray pickles them by reference."""
+    return ReplicaServices(stream_sink=partial(StreamWriter, redis_url),
+                           load_publisher=partial(LoadReporter, redis_url),
+                           tracing=configure_tracing, node_name=this_node)
 
 
 def request_router_config(model: ServedModelSettings) -> RequestRouterConfig:

@@ -29,8 +29,8 @@ from cluster.placement import RayResources, max_model_replicas, place
 from cluster.redis_server import EmbeddedRedis
 from cluster.settings import FairserveSettings, ServedModelSettings
 from replicas.model_info import describe_model
+from replicas.protocol import ModelInfo
 from replicas.server import EngineFactory
-from router.api.prompt_tokenizer import ModelInfo
 from router.state.api_keys import ApiKeys
 from router.state.redis_client import connect, wait_loaded
 from router.state.scripts import Scripts

@@ -20,9 +20,10 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from replicas.protocol import ReplicaLoad
 from router.messages import TenantBacklog
 from router.state import keys
-from router.state.capacity import ReplicaLoad, read_loads
+from router.state.capacity import read_loads
 from router.state.queues import TenantQueues
 from router.state.redis_client import connect
 from router.state.scripts import Scripts

@@ -1,1 +1,8 @@
-"""Model replicas: the engine interface, the torch engine, and (later) the Ray Serve deployment."""
+"""Model replicas: the Ray Serve deployment hosting one engine (``server``), the engines
+(``engine``), what the router knows of a model without loading it (``model_info``), the
+engine's trace spans (``tracing``), and the one package the router shares with them
+(``protocol``: the router imports nothing else of this package, and this package imports
+nothing of the router).
+
+No names are re-exported here: importing the deployment or the engine loads torch, which a
+router process must not (``replicas.protocol`` is light)."""

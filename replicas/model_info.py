@@ -12,7 +12,7 @@ from replicas.engine.kv_budget import DEFAULT_CPU_KV_BYTES
 from replicas.engine.loader import load_model_source
 from replicas.engine.model_runner import CacheShape
 from replicas.engine.models.model_config import ModelConfig
-from router.api.prompt_tokenizer import ModelInfo
+from replicas.protocol import ModelInfo
 
 
 def describe_model(config: EngineConfig) -> ModelInfo:

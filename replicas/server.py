@@ -2,15 +2,19 @@
 
 Dispatchers call ``generate`` through a streaming deployment handle with a ``ReplicaCall`` (the
 prompt's token ids, counted and reserved by the router, sampling parameters, and the response
-stream its output goes to). The tokens go straight into that stream in Redis, one script call
-per engine step for every call the replica runs (``replicas/stream_writer.py``); over Ray the
-call yields only ``CallReport``s (who has it, that it is alive, each choice's end, or why it
-stopped), encoded by their codec (``replicas/protocol.py``: the router does not import the
-engine). The engine is injected by a factory so tests can host a tiny model. ``check_health`` fails when the engine loop is dead or stuck, so Ray Serve
-replaces the replica. Every ``report_interval_s`` the replica writes its load report to Redis.
-On shutdown it withdraws its report first (no more grants for it) and lets running requests
-finish within Ray Serve's graceful shutdown timeout; whatever is cut off then is requeued by
-its dispatcher (the stream breaks before the first token) or ends with an error.
+stream its output goes to). The tokens go straight into that stream, one script call per engine
+step for every call the replica runs, through the stream sink it was given; over Ray the call
+yields only ``CallReport``s (who has it, that it is alive, each choice's end, or why it
+stopped), encoded by their codec (``replicas/protocol``: the router does not import the
+engine). The engine is injected by a factory so tests can host a tiny model; what the replica
+does in the router's structures (the response streams, its load report) and its tracing setup
+are injected too (``replicas.protocol.ReplicaServices``: the router's code, bound by
+``cluster/app.py``), so this package imports nothing of the router. ``check_health`` fails
+when the engine loop is dead or stuck, so Ray Serve replaces the replica. Every
+``report_interval_s`` the replica publishes its load report. On shutdown it withdraws its
+report first (no more grants for it) and lets running requests finish within Ray Serve's
+graceful shutdown timeout; whatever is cut off then is requeued by its dispatcher (the stream
+breaks before the first token) or ends with an error.
 """
 
 from __future__ import annotations
@@ -23,8 +27,6 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from replicas.engine.config import EngineConfig
 from replicas.engine.factory import make_engine
 from replicas.engine.interface import (
@@ -35,7 +37,6 @@ from replicas.engine.interface import (
     SchedulingHints,
 )
 from replicas.engine.sampling_params import SamplingParams
-from replicas.load_report import LoadReporter
 from replicas.protocol import (
     PUBLISHED_ADAPTERS,
     PUBLISHED_BLOCKS,
@@ -44,15 +45,12 @@ from replicas.protocol import (
     CallSampling,
     CallScheduling,
     ChunkUsage,
-    Halt,
+    LogprobWire,
     ReplicaCall,
+    ReplicaLoad,
+    ReplicaServices,
 )
-from replicas.stream_writer import LogprobWire, StreamWriter
 from replicas.tracing import record_engine_spans
-from router.errors import LeaseLostError, StreamGapError
-from router.state import nodes
-from router.state.capacity import ReplicaLoad
-from router.telemetry.tracing import configure_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +70,6 @@ HEARTBEAT_S = 5.0
 class ReplicaOptions:
     engine: EngineConfig
     max_ongoing_requests: int
-    redis_url: str  # load reports, and the response streams the calls write
     report_interval_s: float = 0.5
     drain_timeout_s: float = 20.0
 
@@ -82,20 +79,20 @@ EngineFactory = Callable[[EngineConfig], Engine]
 
 class ModelReplica:
     async def __init__(self, options: ReplicaOptions,  # type: ignore[misc]  # Ray Serve awaits it
+                       services: ReplicaServices,
                        engine_factory: EngineFactory | None = None) -> None:
         self.options = options
         self.engine: Engine = (engine_factory or make_engine)(options.engine)
         await self.engine.start()
         self.replica_id = _replica_id()
-        self.node = nodes.this_node()
-        self.tracing = configure_tracing("fairserve-replica")
+        self.node = services.node_name()
+        self.tracing = services.tracing("fairserve-replica")
         self._num_ongoing = 0
         self._output_marks: list[tuple[float, int]] = []  # (time, output tokens), recent
         self._token_marks: list[tuple[float, int]] = []  # (time, prompt + output tokens)
         self._remaining: dict[str, int] = {}  # request id -> tokens still to process
-        self.writer = StreamWriter(options.redis_url)
-        self._reporter = LoadReporter(options.redis_url, self.load_report,
-                                      options.report_interval_s)
+        self.writer = services.stream_sink()
+        self._reporter = services.load_publisher(self.load_report, options.report_interval_s)
         await self._reporter.report()
         self._report_task = asyncio.create_task(self._reporter.run())
         logger.info("replica %s ready", self.replica_id)
@@ -162,20 +159,9 @@ class ModelReplica:
                                                  + len(chunk.token_ids))
         logprobs: list[LogprobWire] | None = None if chunk.logprobs is None else [
             [lp.token_id, lp.logprob, [[t, p] for t, p in lp.top]] for lp in chunk.logprobs]
-        try:
-            status = await self.writer.write(
-                call.stream, chunk.text, chunk.token_ids, position, logprobs, chunk.index,
-                chunk.finish_reason.value if chunk.finish_reason is not None else None)
-        except LeaseLostError as exc:
-            logger.warning("%s: stopped: %s", call.request_id, exc.message)
-            return Halt.LEASE_LOST
-        except StreamGapError as exc:
-            logger.warning("%s: stopped: %s", call.request_id, exc.message)
-            return Halt.STREAM_GAP
-        except (RedisError, OSError) as exc:
-            logger.error("%s: stopped, Redis unreachable: %s", call.request_id, exc)
-            return Halt.REDIS_UNAVAILABLE
-        return Halt.CANCELLED if status.is_cancel_requested else None
+        return await self.writer.write(
+            call.stream, chunk.text, chunk.token_ids, position, logprobs, chunk.index,
+            chunk.finish_reason.value if chunk.finish_reason is not None else None)
 
     def _trace(self, trace_fields: dict[str, str] | None, final: Chunk) -> None:
         tracer = self.tracing.tracer

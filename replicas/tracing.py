@@ -13,7 +13,7 @@ from opentelemetry.trace import SpanKind, Tracer
 from opentelemetry.util.types import Attributes
 
 from replicas.engine.interface import Timings, Usage
-from router.telemetry.tracing import context_of
+from replicas.protocol import context_of
 
 
 def record_engine_spans(tracer: Tracer, trace_fields: Mapping[str, str] | None,

@@ -27,8 +27,7 @@ from ray.serve.exceptions import (
 )
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from replicas.protocol import CallReport, ReplicaCall
-from router.api.prompt_tokenizer import ModelInfo
+from replicas.protocol import CallReport, ModelInfo, ReplicaCall
 from router.api.routes import build_api
 from router.config import ApiSettings, QueueSettings
 from router.dispatch.dispatcher import DispatchSettings

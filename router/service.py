@@ -24,11 +24,12 @@ from typing import Any, TypeVar, cast
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from replicas.protocol import ModelInfo, carrier
 from router.admin.app import admin_app
 from router.admin.server import AdminServer
 from router.api.openai_models import ChatCompletionRequest, CompletionRequest
 from router.api.openapi import EVENT_ID_PATTERN, DeploymentLimits
-from router.api.prompt_tokenizer import ModelInfo, PromptTokenizer
+from router.api.prompt_tokenizer import PromptTokenizer
 from router.api.sampling import check_sampling, sampling_wire, stream_max_tokens
 from router.api.shaper import Shape
 from router.api.tenant_gate import KnownKeys
@@ -74,7 +75,7 @@ from router.telemetry.metrics import (
     exposition,
 )
 from router.telemetry.metrics_server import MetricsServer
-from router.telemetry.tracing import OFF, Tracing, carrier, decode_meta, encode_meta, now_ns
+from router.telemetry.tracing import OFF, Tracing, decode_meta, encode_meta, now_ns
 
 logger = logging.getLogger(__name__)
 

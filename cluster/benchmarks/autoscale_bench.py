@@ -44,8 +44,9 @@ from cluster.benchmarks.plot import Panel, Series, write_chart
 from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.ports import free_port
 from cluster.settings import load_settings
+from replicas.protocol import ReplicaLoad
 from router.state import keys
-from router.state.capacity import ReplicaLoad, read_loads
+from router.state.capacity import read_loads
 from router.state.redis_client import connect
 from router.state.scripts import Script, script_source
 from router.state.tenants import Tenant

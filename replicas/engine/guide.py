@@ -22,7 +22,7 @@ import torch
 from replicas.engine.errors import InvalidRequestError
 from replicas.engine.sampling_params import StructuredOutput
 from replicas.engine.tokenizer import Tokenizer
-from replicas.grammar import GrammarError, grammar_for
+from replicas.protocol import GrammarError, grammar_for
 
 BITS = 32
 PARAM = "response_format"

@@ -1,9 +1,10 @@
 """Prompt tokens on the router: counted before anything is queued, sent to replicas as ids.
 
 The router must know a prompt's length to check the context limit and reserve tokens, and it
-must not load torch or the model. The cluster builder hands it a ``ModelInfo``: the model's
-limits and its tokenizer as the files ``save_pretrained`` writes (taken from the model's own
-source, so chat templates and special tokens are the engine's). The router sends the token ids
+must not load torch or the model. The cluster builder hands it a ``ModelInfo``
+(``replicas.protocol``): the model's limits and its tokenizer as the files ``save_pretrained``
+writes (taken from the model's own source, so chat templates and special tokens are the
+engine's). The router sends the token ids
 it counted, so the replica runs exactly what was reserved.
 """
 
@@ -11,24 +12,12 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from replicas.protocol import ModelInfo
 from router.api.tools import takes_tools, tool_format
 from router.errors import InvalidRequestError
-
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    served_model_name: str
-    max_model_len: int  # longest prompt + output the engine accepts
-    kv_capacity_tokens: int  # tokens one replica's whole KV cache holds
-    tokenizer_files: dict[str, bytes] = field(repr=False)  # file name -> contents
-    created_s: int = 0  # for /v1/models
-    adapters: tuple[str, ...] = ()  # the LoRA adapters the settings name (engine.lora_adapters)
-    chat_template: str | None = None  # engine.chat_template's text: instead of the model's own
-    tool_call_parser: str = "auto"  # engine.tool_call_parser (router/api/tools.py)
 
 
 class PromptTokenizer:

@@ -4,7 +4,8 @@ checked against the model and the deployment before anything is queued.
 What the schema (``openai_models.py``) cannot know is checked here, each a 400 naming its
 field: ``n`` against ``router.api.max_n``, token ids in ``logit_bias`` and ``stop_token_ids``
 against the vocabulary, and a ``response_format`` schema against the grammar compiler the
-replicas use (``replicas/grammar.py``), so a request is never accepted only to fail later.
+replicas use (``replicas/protocol/grammar.py``), so a request is never accepted only to fail
+later.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ import asyncio
 import json
 from typing import Any
 
-from replicas.grammar import GrammarError, check_grammar
-from replicas.protocol import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH
+from replicas.protocol import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, GrammarError, check_grammar
 from router.api.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from replicas.grammar import MAX_FORCED_CALLS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from replicas.protocol import MAX_FORCED_CALLS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from router.api.openai_models import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
 from router.errors import TOOL_REFERENCE, InvalidRequestError
 

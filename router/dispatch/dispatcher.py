@@ -29,6 +29,7 @@ from opentelemetry.trace import Span
 from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 
+from replicas.protocol import context_of
 from router.dispatch.relay import Relay, RelaySettings, ReplicaPool, Running, end_span
 from router.dispatch.streams import ResponseStreams
 from router.errors import LeaseLostError, RouterError
@@ -39,7 +40,6 @@ from router.telemetry.tracing import (
     OFF,
     QueueFacts,
     Tracing,
-    context_of,
     decode_meta,
     now_ns,
     record_queue_span,

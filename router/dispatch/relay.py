@@ -3,7 +3,7 @@ another replica when the one running it dies, hangs or drains.
 
 The tokens do not pass through here. The call names the request's response stream and a
 writer (``CallStream``); the replica appends its chunks there itself, one script call per
-engine step for all it runs (``replicas/stream_writer.py``), and the router's readers take
+engine step for all it runs (``router/dispatch/stream_writer.py``), and the router's readers take
 them from the stream (``router/dispatch/stream_mux.py``). Over Ray the replica reports only
 who has the call, that it is alive, each choice's end (with its usage and timings), or why it
 stopped; the relay writes the request's end and settles it (``TenantQueues.complete``).
@@ -57,6 +57,8 @@ from replicas.protocol import (
     CallStream,
     Halt,
     ReplicaCall,
+    ReplicaLoad,
+    carrier,
 )
 from router.dispatch import response_events
 from router.dispatch.progress import Progress
@@ -70,9 +72,8 @@ from router.errors import (
 )
 from router.messages import Grant, RequestState, StreamEvent
 from router.state import keys
-from router.state.capacity import ReplicaLoad
 from router.state.queues import TenantQueues
-from router.telemetry.tracing import Tracing, carrier
+from router.telemetry.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

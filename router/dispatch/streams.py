@@ -1,7 +1,7 @@
 """Response streams: one Redis STREAM per request joins its dispatcher to its reader.
 
 The writer the lease holder names appends events (``name_writer``, then ``append``: the model
-replica running the call, ``replicas/stream_writer.py``; refused once the lease is gone or
+replica running the call, ``router/dispatch/stream_writer.py``; refused once the lease is gone or
 another writer is named, so neither a stale dispatcher nor a replica it gave up on can write a
 duplicate token); the request's end (complete, cancel while queued,
 dead-letter) appends the terminal event in the same script. A reader blocks on the stream and

@@ -1,56 +1,24 @@
 """Replica capacity, from the load reports replicas write to Redis.
 
-Each replica writes its report (``replicas/load_report.py``) every fraction of a second, with a
-TTL; a replica that stops reporting (dead, or removed) drops out of the sum within
-``keys.REPLICA_REPORT_TTL_S``. Dispatchers pass the sum of the slots to the grant script, which
+Each replica writes its report (``ReplicaLoad``, through ``router/state/load_report.py``) every
+fraction of a second, with a TTL; a replica that stops reporting (dead, or removed) drops out
+of the sum within ``keys.REPLICA_REPORT_TTL_S``. Dispatchers pass the sum of the slots to the grant script, which
 counts the live leases in the same atomic call, so all dispatchers together never lease more
 requests than the replicas take: Ray Serve's handle never has to queue one out of sight.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from replicas.protocol import ReplicaLoad
 from router.state import keys
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaLoad:
-    replica_id: str
-    max_ongoing: int  # slots: requests it takes at once (Ray Serve's max_ongoing_requests)
-    ongoing: int
-    num_running: int
-    num_waiting: int
-    num_free_kv_blocks: int
-    num_total_kv_blocks: int
-    output_tokens_per_s: float
-    reported_ms: int
-    num_steps: int = 0  # the engine's steps so far: a hung engine stops counting
-    compute: str = ""  # the engine, device and dtype ("torch cpu bfloat16")
-    node: str = ""  # where it runs: host (pod) / Ray node id
-    adapters: tuple[str, ...] = ()  # the LoRA adapters it holds loaded (at most max_loras)
-    model: str = ""  # the base model it serves (engine.served_model_name)
-
-    @property
-    def is_busy(self) -> bool:
-        return bool(self.ongoing or self.num_running or self.num_waiting)
-
-    @classmethod
-    def from_json(cls, raw: bytes | str) -> ReplicaLoad:
-        fields = json.loads(raw)
-        fields["adapters"] = tuple(fields.get("adapters", ()))
-        return cls(**{k: v for k, v in fields.items() if k in cls.__dataclass_fields__})
-
-    def to_json(self) -> str:
-        return json.dumps({name: getattr(self, name) for name in self.__slots__})
 
 
 async def read_loads(client: aioredis.Redis) -> list[ReplicaLoad]:

@@ -30,9 +30,9 @@ from prometheus_client.core import (
     Metric,
 )
 
+from replicas.protocol import ReplicaLoad
 from router.messages import TenantBacklog
 from router.state import keys
-from router.state.capacity import ReplicaLoad
 from router.state.nodes import NodeCounts
 
 logger = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from opentelemetry import propagate, trace
+from opentelemetry import propagate
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -119,21 +119,7 @@ def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
                      f"({' or '.join(OTLP_PROTOCOLS)})")
 
 
-# ---- the context across processes ----
-
-
-def carrier(span: Span | None = None) -> dict[str, str]:
-    """W3C ``traceparent``/``tracestate`` of ``span`` (default: the current one)."""
-    out: dict[str, str] = {}
-    context = trace.set_span_in_context(span) if span is not None else None
-    propagate.inject(out, context=context)
-    return out
-
-
-def context_of(fields: Mapping[str, str] | None) -> Context | None:
-    if not fields or "traceparent" not in fields:
-        return None
-    return propagate.extract(dict(fields))
+# ---- the context across processes (its W3C carrier: replicas/protocol/trace_context.py) ----
 
 
 def encode_meta(fields: Mapping[str, Any], admitted_ns: int) -> str:

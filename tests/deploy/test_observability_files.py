@@ -9,8 +9,8 @@ from pathlib import Path
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from replicas.protocol import ReplicaLoad
 from router.messages import TenantBacklog
-from router.state.capacity import ReplicaLoad
 from router.telemetry.metrics import SPECS, ClusterState, MetricsStore, exposition
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

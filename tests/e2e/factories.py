@@ -13,10 +13,10 @@ import openai
 from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.ports import free_port
 from cluster.settings import load_settings
-from router.api.prompt_tokenizer import ModelInfo
+from replicas.protocol import ModelInfo, ReplicaLoad
 from router.messages import RequestRecord
 from router.state import keys
-from router.state.capacity import ReplicaLoad, read_loads
+from router.state.capacity import read_loads
 from router.state.queues import TenantQueues
 from router.state.redis_client import connect
 from router.state.scripts import Scripts

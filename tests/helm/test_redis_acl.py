@@ -17,12 +17,12 @@ import redis.asyncio as aioredis
 
 from cluster.ports import free_port
 from cluster.redis_server import find_redis_server
-from replicas.load_report import LoadReporter
+from replicas.protocol import ReplicaLoad
 from router.dispatch.streams import Event, ResponseStreams
 from router.errors import RouterError
 from router.state import keys
 from router.state.api_keys import ApiKeys
-from router.state.capacity import ReplicaLoad
+from router.state.load_report import LoadReporter
 from router.state.queues import TenantQueues
 from router.state.scripts import Scripts
 from router.state.tenants import Tenant, TenantStore

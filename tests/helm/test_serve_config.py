@@ -19,7 +19,7 @@ from cluster.app import build_app
 from cluster.ports import free_port
 from cluster.redis_server import EmbeddedRedis
 from cluster.settings import load_settings
-from router.api.prompt_tokenizer import ModelInfo
+from replicas.protocol import ModelInfo
 from tests.helm.chart import PROFILES, REPO, render, serve_config, values_of
 from tests.helm.serve_deploy import RESULT
 

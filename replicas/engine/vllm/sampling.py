@@ -30,7 +30,7 @@ from typing import Any
 
 from replicas.engine.errors import InvalidRequestError
 from replicas.engine.sampling_params import GuideKind, SamplingParams, StructuredOutput
-from replicas.grammar import GrammarError, grammar_for
+from replicas.protocol import GrammarError, grammar_for
 
 SEED_MODULUS = 2**64  # torch.Generator.manual_seed takes its seed modulo 2**64
 

@@ -12,8 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 from replicas.engine.config import EngineConfig
-from replicas.grammar import MAX_FORCED_CALLS, GrammarError, check_grammar, grammar_for
 from replicas.model_info import describe_model
+from replicas.protocol import MAX_FORCED_CALLS, GrammarError, check_grammar, grammar_for
 from router.api.error_handlers import describe_validation_error
 from router.api.openai_models import ChatCompletionRequest
 from router.api.prompt_tokenizer import PromptTokenizer

@@ -8,9 +8,10 @@ import time
 
 import pytest
 
+from replicas.protocol import ReplicaLoad
 from router.errors import InvalidRequestError, RateLimitError
 from router.state import keys
-from router.state.capacity import CapacityView, ReplicaLoad
+from router.state.capacity import CapacityView
 from router.state.tenants import Tenant
 from tests.router.factories import ManualClock, add_tenants, harness, make_request, run
 

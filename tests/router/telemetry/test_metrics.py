@@ -7,9 +7,9 @@ import asyncio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from replicas.protocol import ReplicaLoad
 from router.messages import TenantBacklog
 from router.state import keys, nodes
-from router.state.capacity import ReplicaLoad
 from router.state.nodes import NodeCounts
 from router.state.redis_client import connect
 from router.telemetry.metrics import (

@@ -1,8 +1,10 @@
-"""A replica's load report: what it writes to Redis for dispatchers, autoscaling and ``top``.
+"""A replica's load report in Redis: what dispatchers, autoscaling and ``top`` read.
 
-The replica knows nothing of tenants or queues; it only says how busy it is. The key names come
-from ``router/state/keys.py`` (the one module that spells Redis keys); the report's shape is
-``router.state.capacity.ReplicaLoad``.
+The router's code that a replica runs (``replicas.protocol.LoadPublisher``; ``cluster/app.py``
+hands it to the replica deployment). The replica knows nothing of tenants, queues or keys; it
+only says how busy it is (``replicas.protocol.ReplicaLoad``). The key names come from
+``router/state/keys.py`` (the one module that spells Redis keys); the router reads the reports
+back in ``router/state/capacity.py``.
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from replicas.protocol import ReplicaLoad
 from router.state import keys
-from router.state.capacity import ReplicaLoad
 from router.state.redis_client import connect, with_env_password
 
 logger = logging.getLogger(__name__)
 
 
 class LoadReporter:
+    """``replicas.protocol.LoadPublisher`` on Redis at ``redis_url`` (the password, if any,
+    from this process's environment)."""
+
     def __init__(self, redis_url: str, snapshot: Callable[[], ReplicaLoad],
                  interval_s: float = 0.5) -> None:
         self.client: aioredis.Redis = connect(with_env_password(redis_url), socket_timeout=5)
@@ -50,4 +55,3 @@ class LoadReporter:
             pipe.zrem(keys.replicas(), replica_id)
             await pipe.execute()
         await self.client.aclose()
-
