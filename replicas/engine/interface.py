@@ -150,7 +150,7 @@ class LoadSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class CachedPrefix:
-    """The chained hashes of cached full blocks (``replicas/engine/block_manager.py``), the
+    """The chained hashes of cached full blocks (``replicas/torch_engine/block_manager.py``), the
     most recently cached first, and a version that changes whenever they do."""
 
     version: int = 0

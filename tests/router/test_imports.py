@@ -13,7 +13,8 @@ from tests.helm.chart import REPO
 def test_importing_the_router_loads_no_torch_and_no_engine() -> None:
     code = ("import json, sys; import router.server; "
             "print(json.dumps(sorted(m for m in sys.modules if m == 'torch' "
-            "or m.startswith(('torch.', 'replicas.engine', 'transformers')))))")
+            "or m.startswith(('torch.', 'replicas.engine', 'replicas.torch_engine', "
+            "'replicas.vllm_engine', 'transformers')))))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
