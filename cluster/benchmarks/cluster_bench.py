@@ -4,8 +4,8 @@ HTTP API (one replica), in one run.
     python -m cluster.benchmarks.cluster_bench [--requests 32] [--prompt-tokens 100] [--output-tokens 64]
                             [--concurrency 1 32] [--repeats 3] [--threads 2]
 
-Workload (as ``cluster.benchmarks.engine_bench``): distinct prompts of exactly ``--prompt-tokens`` tokens,
-each generating exactly ``--output-tokens`` tokens, greedy; at concurrency c, c requests in
+Workload (as ``cluster.benchmarks.engine_bench``): distinct prompts of exactly
+``--prompt-tokens`` tokens, each generating exactly ``--output-tokens`` tokens, greedy; at concurrency c, c requests in
 flight at a time (a closed loop). Direct: the async ``TorchEngine`` in this process. Cluster:
 ``fairserve``'s own launcher (embedded Redis, local Ray, one replica with the same engine
 settings, one router), driven over HTTP with the ``openai`` SDK, streaming; prompts are sent as

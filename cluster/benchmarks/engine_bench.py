@@ -1,7 +1,7 @@
 """Engine benchmark: this engine against a transformers baseline, in one process and one run.
 
-    python -m cluster.benchmarks.engine_bench [--requests 32] [--prompt-tokens 100] [--output-tokens 64]
-                                    [--concurrency 1 8 32] [--repeats 1]
+    python -m cluster.benchmarks.engine_bench [--requests 32] [--prompt-tokens 100]
+        [--output-tokens 64] [--concurrency 1 8 32] [--repeats 1]
 
 Workload: distinct prompts of exactly ``--prompt-tokens`` tokens (no shared prefixes, so the
 prefix cache gives the engine no help), each generating exactly ``--output-tokens`` tokens

@@ -1,6 +1,6 @@
 """Fairness inside the replica: a quiet tenant's time to first token alone and under another
 tenant's flood, with the engine's scheduling policy ``fcfs`` (arrival order, as before) and
-``fair`` (per-tenant token counters, ``replicas/torch_engine/scheduler.py``), in one run.
+``fair`` (per-tenant token counters, ``replicas/torch_engine/policies.py``), in one run.
 
     python -m cluster.benchmarks.fairness_bench [--policies fcfs fair fair:512] [--quiet-requests 30]
         [--noisy-streams 16] [--quiet-prompt-tokens 100] [--quiet-output-tokens 32]

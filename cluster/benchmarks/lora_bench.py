@@ -2,8 +2,8 @@
 base model alone, side by side in one run; and an adapter's cold load.
 
     python -m cluster.benchmarks.lora_bench [--requests 32] [--prompt-tokens 64]
-                                         [--output-tokens 64] [--adapters 8] [--rank 16]
-                                         [--repeats 3]
+        [--output-tokens 64] [--adapters 8] [--rank 16]
+        [--repeats 3]
 
 The adapters are random (``write_random_adapter``: rank ``--rank`` on all seven projections of
 every layer), made in a temporary directory. Each repeat runs the base batch, then the mixed

@@ -1,12 +1,12 @@
 """What the sampler's logit processing costs: at 32 requests, with the features off and on.
 
     python -m cluster.benchmarks.sampler_bench [--requests 32] [--prompt-tokens 100]
-                                            [--output-tokens 64] [--repeats 3]
+        [--output-tokens 64] [--repeats 3]
 
 Two measurements, in one run:
 1. The whole engine, closed loop at concurrency ``--requests`` (the engine benchmark's
-   workload, ``cluster/benchmarks/engine_bench.py``): features off (greedy, nothing else), and on (every
-   request with ``logit_bias``, the three penalties and ``min_p``, sampling at temperature 1),
+   workload, ``cluster/benchmarks/engine_bench.py``): features off (greedy, nothing else), and
+   on (every request with ``logit_bias``, the three penalties and ``min_p``, sampling at temperature 1),
    alternating, median of ``--repeats``. Reports tokens/s and the median decode step.
 2. The sampler alone on a step's real shape (32 rows of the model's vocabulary, float32), in
    the engine's process: ``Sampler.sample`` as it is, against the same call with the logit

@@ -57,7 +57,7 @@ class Quantization(enum.StrEnum):
 
 
 class SchedulingPolicy(enum.StrEnum):
-    FAIR = "fair"  # per-key token counters, priority classes first: replicas/torch_engine/scheduler.py
+    FAIR = "fair"  # per-key token counters, priority classes first: torch_engine/policies.py
     FCFS = "fcfs"  # arrival order
 
 

@@ -64,7 +64,7 @@ class ModelRunner:
         # One (key, value) pair per layer, each (num_blocks, block_size, num_kv_heads, head_dim).
         kv = zeroed((cache.num_layers, 2, *shape), dtype, device)
         self.kv_caches = [(kv[layer, 0], kv[layer, 1]) for layer in range(cache.num_layers)]
-        self.lora_stacks = LoraStacks()  # the step's adapters, stacked (replicas/torch_engine/lora.py)
+        self.lora_stacks = LoraStacks()  # the step's adapters, stacked (lora.py)
         self.uses_lora = False  # set once a request names an adapter: until then no row has one
 
     @torch.inference_mode()

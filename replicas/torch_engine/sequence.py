@@ -52,8 +52,7 @@ class Sequence:
     num_preemptions: int = 0
     guide: Guide | None = None  # the structured-output grammar's state, if any
     lora: LoraAdapter | None = None  # the adapter its tokens are computed with (None: base)
-    # Fair scheduling (replicas/torch_engine/scheduler.py): the key whose token counter this sequence
-    # adds to (the router passes the tenant), its priority class (higher first) and weight.
+    # Fair scheduling (policies.py): the key whose token counter this sequence adds to (the router passes the tenant), its priority class (higher first) and weight.
     fair_key: str = ""
     priority: int = 0
     weight: float = 1.0

@@ -209,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # (num_tokens,)
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata | KernelMetadata,
-        lora: LoraBatch | None = None,  # the rows of LoRA adapters, if any (replicas/torch_engine/lora)
+        lora: LoraBatch | None = None,  # the rows of LoRA adapters, if any (../lora.py)
     ) -> torch.Tensor:  # (num_tokens, hidden): final hidden states, before the norm
         if isinstance(meta, KernelMetadata):
             return self._forward_cpu_kernels(input_ids, kv_caches, meta, lora)

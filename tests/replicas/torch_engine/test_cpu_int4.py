@@ -1,5 +1,5 @@
-"""Weight-only int4 layers (replicas/torch_engine/models/cpu_int4.py): a Q4_1-style block comes back as
-its own codes, the layer computes the dequantized product, and a row's result does not depend
+"""Weight-only int4 layers (replicas/torch_engine/models/cpu_int4.py): a Q4_1-style block comes
+back as its own codes, the layer computes the dequantized product, and a row's result does not depend
 on the rows beside it; and where ``quantization: auto`` picks int4."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""fairserve's CPU kernels (replicas/torch_engine/kernels/cpu_ops.cpp) against slow torch references,
-and the property they exist for: a row's result does not depend on the rows around it, nor on
+"""fairserve's CPU kernels (replicas/torch_engine/kernels/cpu_ops.cpp) against slow torch
+references, and the property they exist for: a row's result does not depend on the rows around it, nor on
 how its sequence was cut into prefill chunks and decode steps."""
 
 from __future__ import annotations

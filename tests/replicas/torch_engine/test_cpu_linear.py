@@ -1,5 +1,5 @@
-"""The oneDNN-packed linear layers (replicas/torch_engine/models/cpu_linear.py): the product of a plain
-linear layer, and in bfloat16 a row's result independent of the rows computed beside it."""
+"""The oneDNN-packed linear layers (replicas/torch_engine/models/cpu_linear.py): the product of a
+plain linear layer, and in bfloat16 a row's result independent of the rows computed beside it."""
 
 from __future__ import annotations
 

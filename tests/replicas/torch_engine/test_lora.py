@@ -1,5 +1,5 @@
-"""LoRA adapters on the torch engine (replicas/torch_engine/lora.py), with adapters built here: random
-weights saved in PEFT's format (adapter_config.json + adapter_model.safetensors), on the default
+"""LoRA adapters on the torch engine (replicas/torch_engine/lora.py), with adapters built here:
+random weights saved in PEFT's format (adapter_config.json + adapter_model.safetensors), on the default
 model. Nothing is downloaded.
 
 - exactness: greedy, an adapter gives the tokens of a float32 model with it merged into the
