@@ -178,13 +178,6 @@ class BlockManager:
         seq.block_ids = []
         seq.block_hashes = []
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash; blocks in use keep their KV but can no longer be hit."""
-        for block_id in self.hash_to_block_id.values():
-            self.blocks[block_id].clear_hash()
-        self.hash_to_block_id.clear()
-        self.cache_version += 1
-
     # --- invariants ---------------------------------------------------------------------------
 
     def check_invariants(self) -> None:

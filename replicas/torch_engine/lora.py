@@ -56,7 +56,6 @@ import torch.nn.functional as F
 
 from replicas.engine.lora_files import (
     CONFIG_FILE,
-    MODULES,
     WEIGHTS_FILE,
     AdapterError,
     parse_key,
@@ -65,9 +64,6 @@ from replicas.engine.lora_files import (
 from replicas.torch_engine.models.model_config import ModelConfig
 
 ROW_TILE = 16
-# the model's projections ("qkv", "o", "gate_up", "down") and the Hugging Face modules in them
-PROJECTIONS = ("qkv", "o", "gate_up", "down")
-_MODULES = MODULES
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,23 +190,6 @@ def _read_weights(weights_file: Path, cfg: ModelConfig, name: str
     if not pairs:
         raise AdapterError(f"adapter {name!r}: {weights_file} holds no LoRA weights")
     return pairs
-
-
-def merge_into(weights: Mapping[str, torch.Tensor], adapter_dir: Path, cfg: ModelConfig
-               ) -> dict[str, torch.Tensor]:
-    """The model's weights (named as ``ModelSource.weights`` names them:
-    ``layers.<i>.self_attn.q_proj.weight``, ...) with an adapter merged in (W + s B A, in
-    float32): the reference the exactness tests compare the per-row update with."""
-    adapter = load_adapter(adapter_dir, cfg, "merged")
-    merged = {k: v.float().clone() for k, v in weights.items()}
-    inverse = {(p, s): m for m, (p, s, _) in _fused(cfg).items()}
-    for layer, projections in enumerate(adapter.layers):
-        for projection, updates in projections.items():
-            for u in updates:
-                module = inverse[(projection, u.start)]
-                part = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-                merged[f"layers.{layer}.{part}.{module}.weight"] += u.b @ u.a
-    return merged
 
 
 # A (S, in, M r), B (S, r, out: the modules' B side by side, as their rows tile the output),

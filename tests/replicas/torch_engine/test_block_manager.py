@@ -289,18 +289,6 @@ def test_prefix_caching_off_never_hits_or_registers() -> None:
     bm.check_invariants()
 
 
-def test_reset_prefix_cache_forgets_every_hash() -> None:
-    bm = BlockManager(num_blocks=8, block_size=4)
-    first = make_sequence("a", num_prompt_tokens=9)
-    prefill(bm, first)
-    bm.reset_prefix_cache()
-    assert bm.num_cached_blocks == 0
-    bm.check_invariants()
-    assert bm.allocate_prefix(make_sequence("b", token_ids=list(first.token_ids))) == 0
-    bm.free(first)
-    bm.check_invariants()
-
-
 def test_with_token_kinds_a_block_of_generated_tokens_is_shared_only_with_the_same_boundary() -> None:
     """int4 engines compute prompt and generated tokens with different weights: a block that
     holds generated tokens is reused by a sequence whose prompt ends at the same place (a
@@ -346,9 +334,6 @@ def test_cached_hashes_are_published_newest_first_with_a_version_that_tracks_cha
     prefill(bm, make_sequence("b", token_ids=[5, 6, 7, 8, 0]))
     bm.allocate_slots(make_sequence("c", num_prompt_tokens=3), 3)  # evicts one of a's blocks
     assert bm.cache_version > v1 and len(bm.cached_hashes(10)) == 3
-    v2 = bm.cache_version
-    bm.reset_prefix_cache()
-    assert bm.cached_hashes(10) == () and bm.cache_version > v2
 
 
 def test_a_prefix_is_shared_only_within_its_cache_partition() -> None:

@@ -13,9 +13,11 @@ model. Nothing is downloaded.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+import torch
 
 from replicas.engine.config import DType, EngineConfig, default_model_path
 from replicas.engine.errors import InvalidRequestError
@@ -27,10 +29,11 @@ from replicas.torch_engine.loader import ModelSource, load_model_source
 from replicas.torch_engine.lora import (
     AdapterCache,
     AdapterError,
+    _fused,
     load_adapter,
-    merge_into,
     write_random_adapter,
 )
+from replicas.torch_engine.models.model_config import ModelConfig
 
 pytestmark = pytest.mark.slow
 
@@ -72,12 +75,29 @@ def _tokens(chunks: list[Chunk]) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
 
 
+def _merged(weights: Mapping[str, torch.Tensor], adapter_dir: Path, cfg: ModelConfig
+            ) -> dict[str, torch.Tensor]:
+    """The model's weights (named as ``ModelSource.weights`` names them:
+    ``layers.<i>.self_attn.q_proj.weight``, ...) with an adapter merged in (W + s B A, in
+    float32): the reference the per-row update is held to."""
+    adapter = load_adapter(adapter_dir, cfg, "merged")
+    merged = {k: v.float().clone() for k, v in weights.items()}
+    inverse = {(p, s): m for m, (p, s, _) in _fused(cfg).items()}
+    for layer, projections in enumerate(adapter.layers):
+        for projection, updates in projections.items():
+            for u in updates:
+                module = inverse[(projection, u.start)]
+                part = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+                merged[f"layers.{layer}.{part}.{module}.weight"] += u.b @ u.a
+    return merged
+
+
 def test_an_adapter_gives_the_tokens_of_its_weights_merged(source, adapters) -> None:
     config = EngineConfig(dtype=DType.FLOAT32, cpu_kernels=False, max_num_seqs=8,
                           lora_adapters={n: str(p) for n, p in adapters.items()})
     core = EngineCore(config, source=source)
     for name, path in adapters.items():
-        merged_weights = merge_into(dict(source.weights()), path, source.config)
+        merged_weights = _merged(dict(source.weights()), path, source.config)
         merged = ModelSource(source.path, source.config, lambda w=merged_weights: iter(w.items()),
                              source.tokenizer)
         reference = EngineCore(EngineConfig(dtype=DType.FLOAT32, cpu_kernels=False,
