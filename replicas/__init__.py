@@ -1,1 +1,2 @@
-"""Model replicas: the engine interface, the torch engine, and (later) the Ray Serve deployment."""
+"""Model replicas: the engine contract (``engine``), its implementations (``torch_engine``,
+``vllm_engine``) and the Ray Serve deployment that hosts one (``server``)."""

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         words = source.tokenizer.encode(" ".join(["river mountain quiet engine garden"] * 200))
         prompts = [words[i:i + args.prompt_tokens] for i in range(args.requests)]
         names = list(paths)
-        mixed = [names[i % len(names)] for i in range(args.requests)]
+        mixed: list[str | None] = [names[i % len(names)] for i in range(args.requests)]
         _batch(engine, prompts[:2], [None, names[0]], 4, "warm")  # kernels, first adapter
         base_runs, lora_runs = [], []
         for repeat in range(args.repeats):

@@ -90,7 +90,9 @@ def answers(config: EngineConfig, num_tokens: int) -> list[Answer]:
 
 
 def compare(name: str, reference: list[Answer], candidate: list[Answer]) -> QualityReport:
-    shares, errors, exact = [], [], 0
+    shares: list[float] = []
+    errors: list[float] = []
+    exact = 0
     for ref, cand in zip(reference, candidate, strict=True):
         common = 0
         while (common < min(len(ref.token_ids), len(cand.token_ids))
