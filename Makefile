@@ -69,7 +69,7 @@ helm-values: $(STAMP)
 	$(PY) helm/chart_values.py
 
 bench: $(STAMP)
-	$(PY) -m replicas.engine.bench
+	$(PY) -m cluster.benchmarks.engine_bench
 
 bench-serving-path: $(STAMP)
 	$(PY) -m cluster.benchmarks.serving_path

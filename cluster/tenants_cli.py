@@ -400,8 +400,7 @@ async def _load(admin: Admin, args: argparse.Namespace) -> int:
 
 
 async def _adapter_add(admin: Admin, args: argparse.Namespace) -> int:
-    # NOTE: imported here: replicas.engine's package loads torch, which the CLI's other
-    # commands never need (lora_files itself does not)
+    # imported here: only this command checks adapter files (lora_files loads no torch)
     from replicas.engine.lora_files import AdapterError, check_adapter_dir
 
     path = Path(args.path).expanduser().absolute()

@@ -7,12 +7,12 @@ import time
 from pathlib import Path
 
 from replicas.engine.config import DType, EngineConfig
-from replicas.engine.device_choice import TORCH_DTYPES, resolve_device
-from replicas.engine.kv_budget import DEFAULT_CPU_KV_BYTES
-from replicas.engine.loader import load_model_source
-from replicas.engine.model_runner import CacheShape
-from replicas.engine.models.model_config import ModelConfig
 from replicas.protocol import ModelInfo
+from replicas.torch_engine.device_choice import TORCH_DTYPES, resolve_device
+from replicas.torch_engine.kv_budget import DEFAULT_CPU_KV_BYTES
+from replicas.torch_engine.loader import load_model_source
+from replicas.torch_engine.model_runner import CacheShape
+from replicas.torch_engine.models.model_config import ModelConfig
 
 
 def describe_model(config: EngineConfig) -> ModelInfo:

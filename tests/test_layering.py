@@ -94,7 +94,7 @@ def test_the_router_and_the_replicas_meet_only_in_the_protocol(package: str) -> 
     ("router.service", "replicas", "engine", True),
     ("router.service", "replicas.protocol.call", "", False),
     ("replicas.server", "router.errors", "", True),
-    ("replicas.engine.guide", "replicas.protocol", "", False),
+    ("replicas.torch_engine.guide", "replicas.protocol", "", False),
     ("replicas.protocol.services", "replicas.engine.interface", "", True),
     ("replicas.protocol.grammar", "torch", "", True),
 ])
@@ -106,8 +106,9 @@ def test_the_rules_catch_what_they_should(module: str, importer: str, name: str,
 
 @pytest.mark.parametrize("module, forbidden", [
     ("replicas.protocol", ("torch", "transformers", "router", "replicas.engine",
-                           "replicas.server")),
-    ("router.server", ("torch", "transformers", "replicas.engine", "replicas.server")),
+                           "replicas.torch_engine", "replicas.vllm_engine", "replicas.server")),
+    ("router.server", ("torch", "transformers", "replicas.engine", "replicas.torch_engine",
+                       "replicas.vllm_engine", "replicas.server")),
 ])
 def test_importing_loads_no_torch_and_nothing_across(module: str,
                                                      forbidden: tuple[str, ...]) -> None:

@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from cluster.benchmarks.engine_bench import WORDS
 from cluster.benchmarks.peer_bench import cpu_name
 from cluster.benchmarks.sse import percentile, sse_events
 from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.ports import free_port
 from cluster.settings import load_settings
-from replicas.engine.bench import WORDS
 from router.state.tenants import Tenant
 
 

@@ -4,8 +4,8 @@ HTTP API (one replica), in one run.
     python -m cluster.benchmarks.cluster_bench [--requests 32] [--prompt-tokens 100] [--output-tokens 64]
                             [--concurrency 1 32] [--repeats 3] [--threads 2]
 
-Workload (as ``replicas.engine.bench``): distinct prompts of exactly ``--prompt-tokens`` tokens,
-each generating exactly ``--output-tokens`` tokens, greedy; at concurrency c, c requests in
+Workload (as ``cluster.benchmarks.engine_bench``): distinct prompts of exactly
+``--prompt-tokens`` tokens, each generating exactly ``--output-tokens`` tokens, greedy; at concurrency c, c requests in
 flight at a time (a closed loop). Direct: the async ``TorchEngine`` in this process. Cluster:
 ``fairserve``'s own launcher (embedded Redis, local Ray, one replica with the same engine
 settings, one router), driven over HTTP with the ``openai`` SDK, streaming; prompts are sent as
@@ -33,13 +33,13 @@ import httpx
 import openai
 
 from cluster.benchmarks import serve_floor
+from cluster.benchmarks.engine_bench import make_prompts, run_engine
 from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.ports import free_port
 from cluster.settings import FairserveSettings, load_settings
-from replicas.engine.async_engine import TorchEngine
-from replicas.engine.bench import make_prompts, run_engine
 from replicas.engine.config import EngineConfig
-from replicas.engine.loader import load_model_source
+from replicas.torch_engine.async_engine import TorchEngine
+from replicas.torch_engine.loader import load_model_source
 from router.state.tenants import Tenant
 
 

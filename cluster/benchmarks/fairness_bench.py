@@ -1,6 +1,6 @@
 """Fairness inside the replica: a quiet tenant's time to first token alone and under another
 tenant's flood, with the engine's scheduling policy ``fcfs`` (arrival order, as before) and
-``fair`` (per-tenant token counters, ``replicas/engine/scheduler.py``), in one run.
+``fair`` (per-tenant token counters, ``replicas/torch_engine/policies.py``), in one run.
 
     python -m cluster.benchmarks.fairness_bench [--policies fcfs fair fair:512] [--quiet-requests 30]
         [--noisy-streams 16] [--quiet-prompt-tokens 100] [--quiet-output-tokens 32]
@@ -30,14 +30,14 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from cluster.benchmarks.engine_bench import make_prompts
 from cluster.benchmarks.peer_bench import cpu_name
 from cluster.benchmarks.sse import percentile, sse_events
 from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.ports import free_port
 from cluster.settings import load_settings
-from replicas.engine.bench import make_prompts
 from replicas.engine.config import EngineConfig
-from replicas.engine.loader import load_model_source
+from replicas.torch_engine.loader import load_model_source
 from router.state.tenants import Tenant
 
 

@@ -22,7 +22,7 @@ from typing import IO
 
 import httpx
 
-from replicas.engine.device_choice import cpu_flags
+from replicas.torch_engine.device_choice import cpu_flags
 
 SDIST = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"

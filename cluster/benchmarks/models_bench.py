@@ -32,15 +32,15 @@ from pathlib import Path
 
 import httpx
 
+from cluster.benchmarks.engine_bench import make_prompts
 from cluster.benchmarks.fairness_bench import Client, stop_floods, ttft_cells, ttft_header
 from cluster.benchmarks.peer_bench import cpu_name
 from cluster.benchmarks.sse import percentile
 from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.ports import free_port
 from cluster.settings import load_settings
-from replicas.engine.bench import make_prompts
 from replicas.engine.config import EngineConfig
-from replicas.engine.loader import load_model_source
+from replicas.torch_engine.loader import load_model_source
 from router.state.tenants import Tenant
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "models.yaml"

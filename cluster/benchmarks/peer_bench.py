@@ -32,16 +32,16 @@ import httpx
 import torch
 
 from cluster.benchmarks import llamacpp
+from cluster.benchmarks.engine_bench import make_prompts
 from cluster.benchmarks.sse import sse_events
 from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.ports import free_port
 from cluster.settings import load_settings
-from replicas.engine.async_engine import TorchEngine
-from replicas.engine.bench import make_prompts
 from replicas.engine.config import EngineConfig
 from replicas.engine.interface import GenerateRequest
-from replicas.engine.loader import load_model_source
 from replicas.engine.sampling_params import SamplingParams
+from replicas.torch_engine.async_engine import TorchEngine
+from replicas.torch_engine.loader import load_model_source
 from router.state.tenants import Tenant
 
 

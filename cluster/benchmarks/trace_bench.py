@@ -31,11 +31,11 @@ from cluster.benchmarks.cluster_bench import (
     median_run,
     run_cluster,
 )
+from cluster.benchmarks.engine_bench import make_prompts
 from cluster.benchmarks.otlp_receiver import OtlpReceiver
 from cluster.launcher import LocalCluster, add_tenant_with_key
 from cluster.settings import load_settings
-from replicas.engine.bench import make_prompts
-from replicas.engine.loader import load_model_source
+from replicas.torch_engine.loader import load_model_source
 from router.state.tenants import Tenant
 
 

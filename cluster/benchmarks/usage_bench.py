@@ -90,9 +90,9 @@ def cluster_run(retention_days: int, seed: int) -> float:
     import openai
 
     from cluster.benchmarks.cluster_bench import bench_settings, run_cluster
+    from cluster.benchmarks.engine_bench import make_prompts
     from cluster.launcher import LocalCluster, add_tenant_with_key
-    from replicas.engine.bench import make_prompts
-    from replicas.engine.loader import load_model_source
+    from replicas.torch_engine.loader import load_model_source
 
     with tempfile.TemporaryDirectory(prefix="fs-usage-cluster-") as state_dir:
         base = bench_settings(state_dir, 2, 32)

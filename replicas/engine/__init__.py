@@ -1,18 +1,21 @@
-"""The batched prefill/decode engine: continuous batching over a paged KV cache.
+"""The engine contract: what a replica asks of an engine and what it gets back, torch-free.
 
-``TorchEngine`` is what a replica runs; ``EngineCore`` is its synchronous step loop. See the
-README section "The engine" for the knobs and the measured roofline.
+``Engine`` (``interface.py``) is the protocol every engine implements; ``EngineConfig``
+(``config.py``) names which one a replica runs and ``make_engine`` (``factory.py``) builds it,
+importing the implementation only then. The implementations live beside this package:
+``replicas.torch_engine`` (fairserve's own continuous-batching engine, torch) and
+``replicas.vllm_engine`` (vLLM's ``AsyncLLM`` behind the same protocol). Importing this package
+loads neither torch nor vLLM, so the CLI, the settings and the tests of the contract can use it.
 """
 
-from replicas.engine.async_engine import TorchEngine
-from replicas.engine.config import DType, EngineConfig, default_model_path
-from replicas.engine.engine_core import EngineCore
+from replicas.engine.config import DType, EngineConfig, EngineKind, default_model_path
 from replicas.engine.errors import (
     EngineDeadError,
     EngineError,
     InvalidRequestError,
     ModelLoadError,
 )
+from replicas.engine.factory import make_engine
 from replicas.engine.interface import (
     Chunk,
     Engine,
@@ -30,9 +33,9 @@ __all__ = [
     "DType",
     "Engine",
     "EngineConfig",
-    "EngineCore",
     "EngineDeadError",
     "EngineError",
+    "EngineKind",
     "FinishReason",
     "GenerateRequest",
     "InvalidRequestError",
@@ -41,7 +44,7 @@ __all__ = [
     "SamplingParams",
     "Timings",
     "TokenLogprob",
-    "TorchEngine",
     "Usage",
     "default_model_path",
+    "make_engine",
 ]

@@ -23,7 +23,7 @@ AUTO = "auto"
 
 
 class DType(enum.StrEnum):
-    AUTO = AUTO  # resolved where the engine runs: replicas/engine/device_choice.py
+    AUTO = AUTO  # resolved where the engine runs: replicas/torch_engine/device_choice.py
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
@@ -51,19 +51,19 @@ def default_model_cache_dir() -> str:
 
 
 class Quantization(enum.StrEnum):
-    AUTO = AUTO  # resolved where the engine runs: replicas/engine/device_choice.py
+    AUTO = AUTO  # resolved where the engine runs: replicas/torch_engine/device_choice.py
     NONE = "none"
     INT4 = "int4"
 
 
 class SchedulingPolicy(enum.StrEnum):
-    FAIR = "fair"  # per-key token counters, priority classes first: replicas/engine/scheduler.py
+    FAIR = "fair"  # per-key token counters, priority classes first: torch_engine/policies.py
     FCFS = "fcfs"  # arrival order
 
 
 class EngineKind(enum.StrEnum):
-    TORCH = "torch"  # replicas/engine/async_engine.py: CPU and GPU
-    VLLM = "vllm"  # replicas/engine/vllm/: vLLM's AsyncLLM, GPU only (the `gpu` extra)
+    TORCH = "torch"  # replicas/torch_engine/async_engine.py: CPU and GPU
+    VLLM = "vllm"  # replicas/vllm_engine/: vLLM's AsyncLLM, GPU only (the `gpu` extra)
 
 
 class VLLMOptions(BaseModel):
@@ -182,7 +182,7 @@ class EngineConfig(BaseModel):
         default_factory=dict,
         description="LoRA adapters of this model, by the name a request gives as its `model`: "
         "PEFT directories (adapter_config.json + adapter_model.safetensors) every replica can "
-        "read. torch engine; loaded on first use (replicas/engine/lora.py).",
+        "read. torch engine; loaded on first use (replicas/torch_engine/lora.py).",
     )
     max_loras: int = Field(
         default=8, ge=1, le=1024,

@@ -142,15 +142,10 @@ class LoadSnapshot:
     compute: str = ""  # what it runs: "torch cpu bfloat16", "vllm cuda:0 bfloat16", ...
     adapters: tuple[str, ...] = ()  # the LoRA adapters it holds loaded
 
-    @property
-    def kv_usage(self) -> float:
-        used = self.num_total_kv_blocks - self.num_free_kv_blocks
-        return used / self.num_total_kv_blocks if self.num_total_kv_blocks else 0.0
-
 
 @dataclass(frozen=True, slots=True)
 class CachedPrefix:
-    """The chained hashes of cached full blocks (``replicas/engine/block_manager.py``), the
+    """The chained hashes of cached full blocks (``replicas/torch_engine/block_manager.py``), the
     most recently cached first, and a version that changes whenever they do."""
 
     version: int = 0

@@ -10,7 +10,7 @@ mask in about 30 µs on this CPU for SmolLM2's 49,152 tokens, and validates a gr
 tokenizer, so the router can refuse a schema it cannot compile before anything is queued.
 
 The same function builds the grammar on both sides (the router checks it, the replica enforces
-it: ``replicas/engine/guide.py``), so what was accepted is what runs. This module imports no
+it: ``replicas/torch_engine/guide.py``), so what was accepted is what runs. This module imports no
 torch: the router uses it.
 
 JSON comes out in ``json.dumps``'s default layout (``", "`` and ``": "``, no other whitespace):

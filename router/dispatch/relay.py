@@ -16,7 +16,7 @@ and thaws later; then it calls a replica again with the same request, a new writ
 ``resume`` per choice: the output tokens already sent (output, not prompt: ``max_tokens``,
 ``min_tokens``, penalties, seeded draws by position and the grammar all count them) and how
 much of their text went out. The engine continues from there and sends only what follows
-(``replicas/engine/engine_core.py``); the client sees one unbroken stream, and one usage that
+(``replicas/torch_engine/engine_core.py``); the client sees one unbroken stream, and one usage that
 counts each token once. Appends are also fenced by position (``router/state/scripts/
 append.lua``), so a token is never written twice. A request migrates at most
 ``max_migrations`` times; after that it ends with an error event (or, if nothing was sent,
@@ -186,7 +186,7 @@ class Relay:
             sampling=CallSampling.from_wire(body["sampling"]),
             stream=CallStream(lease.tenant_id, lease.request_id, lease.holder, lease.attempt,
                               writer),
-            # the engine's fair scheduler (replicas/engine/scheduler.py): whose tokens these are
+            # the engine's fair scheduler (replicas/torch_engine/policies.py): whose tokens these are
             scheduling=CallScheduling(grant.tenant_id, grant.priority, grant.weight),
             # each tenant its own prefix-cache partition (or its named group's): no one
             # learns what another sent

@@ -6,7 +6,7 @@ every replica of that model has their paths), and those added at run time by an 
 (``fairserve adapters add NAME PATH [--tenant T] [--base MODEL]``), kept in Redis (``keys.adapters()``: a HASH of name ->
 JSON, at most ``MAX_ADAPTERS``, until removed). One added for a tenant is that tenant's alone:
 another tenant asking for it gets the same 404 as for a name that does not exist, so it cannot
-learn that it does. A replica loads an adapter on first use (``replicas/engine/lora.py``); one
+learn that it does. A replica loads an adapter on first use (``replicas/torch_engine/lora.py``); one
 added at run time travels with its call as its path, which every replica must be able to read
 (a shared volume on Kubernetes).
 """

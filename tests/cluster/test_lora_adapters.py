@@ -17,11 +17,11 @@ import pytest
 import yaml
 
 from replicas.engine.config import EngineConfig, default_model_path
-from replicas.engine.engine_core import EngineCore
 from replicas.engine.interface import GenerateRequest
-from replicas.engine.loader import load_model_source
-from replicas.engine.lora import write_random_adapter
 from replicas.engine.sampling_params import SamplingParams
+from replicas.torch_engine.engine_core import EngineCore
+from replicas.torch_engine.loader import load_model_source
+from replicas.torch_engine.lora import write_random_adapter
 from tests.cluster.factories import UpProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

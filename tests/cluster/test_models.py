@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from replicas.engine.config import default_model_path
-from replicas.engine.loader import load_model_source
-from replicas.engine.lora import write_random_adapter
+from replicas.torch_engine.loader import load_model_source
+from replicas.torch_engine.lora import write_random_adapter
 from router.state import keys
 from router.state.capacity import read_loads
 from router.state.redis_client import connect

@@ -10,7 +10,7 @@ from cluster.settings import load_settings
 
 def test_defaults_serve_the_default_model_on_cpu() -> None:
     s = load_settings()
-    # device auto: cpu where no GPU is visible (replicas/engine/device_choice.py)
+    # device auto: cpu where no GPU is visible (replicas/torch_engine/device_choice.py)
     assert s.engine.model.endswith(".gguf") and s.engine.device == "auto"
     assert s.replicas.num_replicas == 1 and s.replicas.num_gpus == 0
     assert s.router.port == 8000 and s.redis.url is None and s.ray.address is None

@@ -208,7 +208,7 @@ def test_image_is_a_ray_container(container: str) -> None:
         "command -v fairserve; python -c 'import ray; print(ray.__version__)'; "
         "python -c 'import torch; print(torch.__version__)'; "
         "python -c 'import torch; from replicas.engine.config import EngineConfig; "
-        "from replicas.engine.loader.prepared import prepared_dir; c = EngineConfig(); "
+        "from replicas.torch_engine.loader.prepared import prepared_dir; c = EngineConfig(); "
         "print(prepared_dir(c.model, torch.float32, c.model_cache_dir).is_dir())'"))
     lines = out.split()
     assert lines[:5] == [str(RAY_UID), str(RAY_GID), "ray", "/home/ray", "writable"], out

@@ -9,10 +9,10 @@ import httpx
 import openai
 import pytest
 
-from replicas.engine.async_engine import TorchEngine
 from replicas.engine.config import EngineConfig
 from replicas.engine.interface import GenerateRequest
 from replicas.engine.sampling_params import SamplingParams
+from replicas.torch_engine.async_engine import TorchEngine
 from router.state.tenants import Tenant
 from tests.e2e.factories import MODEL, E2ECluster
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from replicas.engine.bench import WORDS
+from cluster.benchmarks.engine_bench import WORDS
 from router.state.tenants import Tenant
 from router.telemetry.metrics import SNAPSHOT_S
 from tests.e2e.factories import MODEL, E2ECluster

@@ -10,10 +10,10 @@ from typing import Any
 import jsonschema
 import pytest
 
-from replicas.engine.async_engine import TorchEngine
 from replicas.engine.config import EngineConfig
 from replicas.engine.interface import GenerateRequest
 from replicas.engine.sampling_params import SamplingParams
+from replicas.torch_engine.async_engine import TorchEngine
 from tests.e2e.factories import MODEL, E2ECluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -13,7 +13,6 @@ import time
 
 import pytest
 
-from replicas.engine.async_engine import TorchEngine
 from replicas.engine.config import EngineConfig
 from replicas.engine.errors import InvalidRequestError
 from replicas.engine.interface import (
@@ -24,6 +23,7 @@ from replicas.engine.interface import (
     SchedulingHints,
 )
 from replicas.engine.sampling_params import GuideKind, SamplingParams, StructuredOutput
+from replicas.torch_engine.async_engine import TorchEngine
 
 pytestmark = pytest.mark.slow
 

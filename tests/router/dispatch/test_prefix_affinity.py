@@ -147,7 +147,7 @@ def test_the_router_hashes_the_prompt_of_the_replica_call_it_routes() -> None:
     assert hashes == block_hashes(list(range(10)), BS, "acme")
     assert hashes[0] == hash_block_tokens(cache_root("acme"), tuple(range(BS)))
     assert not set(hashes) & set(block_hashes(list(range(10)), BS))
-    # an adapter's call in the adapter's partition (the engine's: replicas/engine/engine_core)
+    # an adapter's call in the adapter's partition (the engine's: replicas/torch_engine/engine_core)
     tuned = dataclasses.replace(salted, adapter=CallAdapter("tone"))
     assert PrefixAffinityRouter._hashes(router, SimpleNamespace(args=[tuned])) == block_hashes(
         list(range(10)), BS, adapter_salt("acme", "tone")) != hashes

@@ -1,7 +1,7 @@
 """The relay (router/dispatch/relay.py) on a real Redis, without Ray: the replica call's stream
 is a scripted double (``ScriptedReplicas``) that does what a replica does: it appends its chunks
 to the request's response stream as the writer the relay named (``ResponseStreams.append``,
-fenced by lease, writer and position, as ``replicas/stream_writer.py`` does) and yields the
+fenced by lease, writer and position, as ``router/dispatch/stream_writer.py`` does) and yields the
 typed reports of ``replicas.protocol`` (``CallReport``). Everything else (leases, the stream,
 completion and settlement, requeueing) is the real Redis scripts."""
 
