@@ -5,7 +5,8 @@
 
 One cluster (``fairserve``'s launcher: embedded Redis, local Ray of 2 CPUs, the default model,
 replicas of 0.5 CPU and one torch thread, autoscaling 1-2 on the backlog with the default
-``AutoscaleSettings`` except a short ``downscale_delay_s`` so rounds follow each other). Each
+``AutoscaleSettings`` except a short ``downscale_delay_s`` so rounds follow each other and a
+``target_drain_s`` of 10 s, so the burst is a backlog worth a second replica on fast machines). Each
 round sends a burst of ``--burst`` requests at once to a cluster of one idle replica, then
 watches Redis every 0.1 s for three moments, each measured from the burst's start:
 
@@ -234,7 +235,12 @@ def main() -> None:
     parser.add_argument("--plot", metavar="PATH.svg",
                         help="draw the first variant's first round as an SVG chart")
     args = parser.parse_args()
-    scaling = AutoscaleSettings(min_replicas=1, max_replicas=2, downscale_delay_s=5.0)
+    # downscale_delay_s: short, so rounds follow each other, and longer than a replica's start,
+    # or a backlog draining faster than estimated takes the scale-up back before it serves;
+    # target_drain_s: half the default, so the burst asks for a second replica even where one
+    # replica decodes 200 tokens a second (60 x 64 tokens drain in ~19 s there)
+    scaling = AutoscaleSettings(min_replicas=1, max_replicas=2, downscale_delay_s=20.0,
+                                target_drain_s=10.0)
     results = {variant: run_variant(args, scaling, variant) for variant in args.variants}
     print()
     print(f"burst of {args.burst} requests x {args.output_tokens} output tokens at one idle "
