@@ -18,6 +18,7 @@
 #   make image       build the CPU container image localhost/fairserve-cpu:<version> (root)
 #   make test-image  build it and serve from inside it (tests/deploy/test_image.py; minutes)
 #   make helm-values regenerate the Helm chart's values.yaml and values.schema.json
+#   make docs-config regenerate docs/configuration.md from the settings models
 
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -26,7 +27,7 @@ STAMP  := $(VENV)/.installed-stamp
 CHECKOV := .venv-checkov/bin/checkov
 PYTEST_ARGS ?=
 
-.PHONY: install up test test-fast helm-values image test-image image-tools bench bench-cluster bench-tracing bench-autoscale bench-peer bench-fairness bench-affinity bench-serving-path bench-soak bench-usage lint clean
+.PHONY: install up test test-fast helm-values docs-config image test-image image-tools bench bench-cluster bench-tracing bench-autoscale bench-peer bench-fairness bench-affinity bench-serving-path bench-soak bench-usage lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -67,6 +68,10 @@ test-image: $(STAMP) image-tools
 # the Helm chart's values.yaml and values.schema.json, from helm/chart_values.py
 helm-values: $(STAMP)
 	$(PY) helm/chart_values.py
+
+# the settings reference docs/configuration.md, from the settings models (cluster/config_docs.py)
+docs-config: $(STAMP)
+	$(PY) -m cluster.config_docs
 
 bench: $(STAMP)
 	$(PY) -m cluster.benchmarks.engine_bench
