@@ -30,7 +30,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from redis.exceptions import RedisError
 
 from replicas.protocol import context_of
-from router.dispatch.relay import Relay, RelaySettings, ReplicaPool, Running, end_span
+from router.dispatch.relay import (
+    Relay,
+    RelaySettings,
+    ReplicaPool,
+    Running,
+    end_span,
+    lose_lease,
+)
 from router.dispatch.streams import ResponseStreams
 from router.errors import LeaseLostError, RouterError
 from router.messages import Grant, Lease
@@ -225,7 +232,7 @@ class Dispatcher:
                 status = await self.queues.renew(lease)
             except LeaseLostError:
                 logger.warning("lease on %s lost", lease.request_id)
-                _abort(running)  # this attempt's, not a later one this router holds
+                lose_lease(running)  # this attempt's, not a later one this router holds
                 return
             except (RedisError, OSError) as exc:
                 logger.warning("renewing %s failed: %s", lease.request_id, exc)
@@ -235,8 +242,8 @@ class Dispatcher:
 
 
 def _abort(running: Running) -> None:
-    """Stop serving one attempt of a request: its call is cancelled, and it ends as
-    cancelled (or, its lease lost, is dropped)."""
+    """Stop serving one attempt of a request at its client's cancel: its call is cancelled,
+    and it ends as cancelled."""
     running.is_cancel_requested = True
     if running.stream is not None:
         running.stream.cancel()

@@ -116,10 +116,27 @@ class Running:
     span: Span | None = None
     stream: ReplicaStream | None = None
     is_cancel_requested: bool = False
+    is_lease_lost: bool = False  # a renewal found the lease gone (see ``lose_lease``)
     progress: Progress = field(default_factory=Progress)
     finals: dict[int, CallReport] = field(default_factory=dict)  # choice -> its end
     migrations: int = 0
     replica_id: str | None = None
+
+
+def lose_lease(running: Running) -> None:
+    """A renewal of the request's lease found it gone: its call is cancelled and the attempt
+    dropped (``LeaseLostError`` out of ``Relay.run``), never ended as cancelled: the verdict may
+    come from a primary a Redis failover is about to demote (split brain), while the lease still
+    holds on the new one; the request is then served again once the lease runs out, from what
+    its stream holds, and its client never sees an end it did not ask for."""
+    running.is_lease_lost = True
+    if running.stream is not None:
+        running.stream.cancel()
+
+
+def _lease_lost(running: Running) -> LeaseLostError:
+    return LeaseLostError(f"lease on {running.grant.request_id!r} lost at its renewal",
+                          param="request_id")
 
 
 class _Stalled(Exception):
@@ -220,6 +237,8 @@ class Relay:
         move, or ``_CANCELLED``."""
         stream = running.stream = self.replicas.generate(call)
         async for report in self._watched(running, stream):
+            if running.is_lease_lost:
+                raise _lease_lost(running)
             if report.halted == Halt.LEASE_LOST:
                 raise LeaseLostError(f"lease on {running.grant.request_id!r} lost: the stream "
                                      f"refused the replica's writes", param="request_id")
@@ -236,6 +255,8 @@ class Relay:
                     return None
             except StreamGapError:  # the last chunks were lost: made again, then completed
                 return _STREAM_GAP
+        if running.is_lease_lost:
+            raise _lease_lost(running)
         return _CANCELLED if running.is_cancel_requested else "stream ended early"
 
     async def _watched(self, running: Running, stream: ReplicaStream

@@ -18,7 +18,7 @@ import pytest
 
 from replicas.protocol import CallReport, ChunkUsage, Halt, ReplicaCall
 from router.dispatch import response_events
-from router.dispatch.relay import Relay, RelaySettings, Running
+from router.dispatch.relay import Relay, RelaySettings, Running, lose_lease
 from router.dispatch.response_events import ChunkData, EndData
 from router.dispatch.streams import Event
 from router.errors import LeaseLostError, ReplicaFailedError, ReplicaUnavailableError
@@ -46,7 +46,14 @@ class Hang:
     """A step of a scripted call: the replica froze (the stream neither yields nor ends)."""
 
 
-Step = Chunk | CallReport | BaseException | Hang
+@dataclass(frozen=True)
+class Do:
+    """A step of a scripted call: something else happens meanwhile (``action()``)."""
+
+    action: Any
+
+
+Step = Chunk | CallReport | BaseException | Hang | Do
 
 
 @dataclass
@@ -63,8 +70,12 @@ class ScriptedStream:
 
     async def __aiter__(self) -> AsyncIterator[CallReport]:
         for step in self.steps:
+            if self.is_cancelled:  # as a Ray stream: nothing more after a cancel
+                return
             if isinstance(step, Hang):
                 await asyncio.Event().wait()
+            elif isinstance(step, Do):
+                step.action()
             elif isinstance(step, Chunk):
                 await self.replicas.append(self.call, step)
             elif isinstance(step, BaseException):
@@ -284,6 +295,31 @@ def test_a_cancelled_call_ends_the_request_cancelled_with_the_tokens_it_used(
             assert (end.finish_reason, end.completion_tokens) == ("abort", 2)
             record = await h.queues.get("t", "r1")
             assert (record.state, record.output_tokens_used) == (RequestState.CANCELLED, 2)
+
+    run(scenario())
+
+
+def test_a_lease_lost_at_renewal_drops_the_attempt_and_never_ends_the_request(redis_url) -> None:
+    """A renewal's "lease lost" may come from a primary a failover is about to demote while the
+    lease still holds on the new one: the client must not get an end it did not ask for
+    (before: it got ``abort`` and the request was settled as cancelled)."""
+    async def scenario() -> None:
+        async with harness(redis_url) as h:
+            grant = await granted(h)
+            running = Running(grant, time.time_ns(), time.time_ns())
+            replicas = ScriptedReplicas(h, [
+                [CallReport(replica_id="rep-1"), Chunk((1, 2), 0), Do(lambda: lose_lease(running)),
+                 Chunk((3,), 2), finish(3)]])
+            relay = Relay(h.queues, h.streams, replicas, OFF, FAST)
+            with pytest.raises(LeaseLostError, match="lost at its renewal"):
+                await asyncio.wait_for(relay.run(running), 20)
+
+            assert replicas.streams[0].is_cancelled and not running.is_cancel_requested
+            events = await stream_of(h, grant)
+            assert token_ids(events) == [1, 2]
+            assert not any(isinstance(e, EndData) for e in events)
+            record = await h.queues.get("t", "r1")
+            assert record.state is RequestState.LEASED  # served again when the lease runs out
 
     run(scenario())
 
