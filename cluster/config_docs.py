@@ -88,22 +88,16 @@ def _type_name(annotation: Any) -> str:
     return str(annotation).replace("typing.", "")
 
 
+# each bound pydantic keeps in a field's metadata: its attribute, and how the page writes it
+_BOUNDS: tuple[tuple[type, str, str], ...] = (
+    (Ge, "ge", "≥ {}"), (Gt, "gt", "> {}"), (Le, "le", "≤ {}"), (Lt, "lt", "< {}"),
+    (MinLen, "min_length", "length ≥ {}"), (MaxLen, "max_length", "length ≤ {}"),
+)
+
+
 def _bounds(info: FieldInfo) -> str:
-    parts: list[str] = []
-    for item in info.metadata:
-        if isinstance(item, Ge):
-            parts.append(f"≥ {item.ge}")
-        elif isinstance(item, Gt):
-            parts.append(f"> {item.gt}")
-        elif isinstance(item, Le):
-            parts.append(f"≤ {item.le}")
-        elif isinstance(item, Lt):
-            parts.append(f"< {item.lt}")
-        elif isinstance(item, MinLen):
-            parts.append(f"length ≥ {item.min_length}")
-        elif isinstance(item, MaxLen):
-            parts.append(f"length ≤ {item.max_length}")
-    return ", ".join(parts)
+    return ", ".join(text.format(getattr(item, attr)) for item in info.metadata
+                     for kind, attr, text in _BOUNDS if isinstance(item, kind))
 
 
 def _default(info: FieldInfo) -> str:

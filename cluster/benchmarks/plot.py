@@ -8,6 +8,7 @@ next sample). The SVG renders wherever the docs are read (GitHub, an editor, a b
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
@@ -106,7 +107,8 @@ def _panel(panel: Panel, top: float, plot_w: float, x_max: float, x_label: str) 
     return out
 
 
-def _steps(points: list[tuple[float, float]], sx, sy) -> str:  # type: ignore[no-untyped-def]
+def _steps(points: list[tuple[float, float]], sx: Callable[[float], float],
+           sy: Callable[[float], float]) -> str:
     coords: list[str] = []
     for k, (x, y) in enumerate(points):
         if k:
