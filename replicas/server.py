@@ -185,6 +185,7 @@ class ModelReplica:
             output_tokens_per_s=self._throughput(),
             reported_ms=int(time.time() * 1000),
             num_steps=load.num_steps,
+            progress=load.progress,
             compute=load.compute,
             node=self.node,
             adapters=load.adapters,

@@ -118,8 +118,8 @@ class TokenSourceEngine:
     def load(self) -> LoadSnapshot:
         num_running = len(self._running)
         return LoadSnapshot(num_running, 0, NUM_BLOCKS, NUM_BLOCKS,
-                            max(0, self.config.max_num_seqs - num_running), self._num_steps,
-                            COMPUTE)
+                            max(0, self.config.max_num_seqs - num_running),
+                            num_steps=self._num_steps, progress=self._num_steps, compute=COMPUTE)
 
     async def check_health(self) -> None:
         return None

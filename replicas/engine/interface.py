@@ -138,7 +138,10 @@ class LoadSnapshot:
     num_free_kv_blocks: int
     num_total_kv_blocks: int
     num_free_slots: int  # how many more requests it would start now (max_num_seqs - running - waiting)
-    num_steps: int = 0  # steps taken since start: a stuck step loop stops counting
+    num_steps: int = 0  # steps taken since start
+    # steps, plus the model layers run within them where the engine counts those (the torch
+    # engine does): a stuck engine stops counting, a long step keeps counting
+    progress: int = 0
     compute: str = ""  # what it runs: "torch cpu bfloat16", "vllm cuda:0 bfloat16", ...
     adapters: tuple[str, ...] = ()  # the LoRA adapters it holds loaded
 

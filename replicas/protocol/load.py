@@ -21,7 +21,10 @@ class ReplicaLoad:
     num_total_kv_blocks: int
     output_tokens_per_s: float
     reported_ms: int
-    num_steps: int = 0  # the engine's steps so far: a hung engine stops counting
+    num_steps: int = 0  # the engine's steps so far
+    # the engine's work so far: its steps, and the model layers run within them where it counts
+    # those; a hung engine stops counting, a long step (a long prompt's chunk) does not
+    progress: int = 0
     compute: str = ""  # the engine, device and dtype ("torch cpu bfloat16")
     node: str = ""  # where it runs: host (pod) / Ray node id
     adapters: tuple[str, ...] = ()  # the LoRA adapters it holds loaded (at most max_loras)

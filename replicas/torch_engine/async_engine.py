@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -142,9 +142,11 @@ class TorchEngine:
         return self._cached_prefix
 
     def load(self) -> LoadSnapshot:
-        if self._load is None:
+        """The snapshot taken after the last step, with the engine's progress as of now (it
+        moves during a long step, layer by layer: the dispatchers' sign that it is alive)."""
+        if self._load is None or self._core is None:
             raise EngineDeadError("the engine has not been started")
-        return self._load
+        return replace(self._load, progress=self._core.progress)
 
     async def check_health(self) -> None:
         self._check_alive()

@@ -303,6 +303,11 @@ class EngineCore:
         if all(seq_id not in self._outputs for seq_id in family.seq_ids):
             del self._families[out.request_id]
 
+    @property
+    def progress(self) -> int:
+        """Steps and model layers run so far; safe to read from any thread."""
+        return self._num_steps + self.runner.model.num_layers_run
+
     def load(self) -> LoadSnapshot:
         running, waiting = self.scheduler.num_running, self.scheduler.num_waiting
         return LoadSnapshot(
@@ -312,6 +317,7 @@ class EngineCore:
             num_total_kv_blocks=self.block_manager.num_total_blocks,
             num_free_slots=max(0, self.config.max_num_seqs - running - waiting),
             num_steps=self._num_steps,
+            progress=self.progress,
             compute=f"torch {self.compute.describe()}",
             adapters=tuple(self.adapters.loaded),
         )

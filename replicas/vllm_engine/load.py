@@ -97,4 +97,5 @@ def estimate_load(state: SchedulerState | None, in_flight: InFlight, num_total_b
         num_total_kv_blocks=num_total_blocks,
         num_free_slots=max(0, max_num_seqs - running - waiting),
         num_steps=num_steps,
+        progress=num_steps,  # vLLM's layers run out of sight: its steps are its progress
     )

@@ -73,8 +73,9 @@ class DispatchSettings(BaseModel):
         3, ge=0, le=20, description="times one request may move to another replica when the "
         "one running it dies, stalls or drains (router/dispatch/relay.py); 0: never")
     stall_timeout_s: float = Field(
-        10.0, gt=0, le=600, description="no chunk for this long and no engine step on its "
-        "replica (its heartbeat in Redis): the replica counts as stalled and the request moves")
+        10.0, gt=0, le=600, description="no chunk for this long and no engine progress "
+        "(steps, model layers) on its replica (its heartbeat in Redis): the replica counts as "
+        "stalled and the request moves")
 
     def relay_settings(self) -> RelaySettings:
         return RelaySettings(max_migrations=self.max_migrations,

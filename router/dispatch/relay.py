@@ -29,10 +29,11 @@ longer than it rides out, and a stall. A Ray stream from a frozen process can ha
 for ever, so the relay does not trust it to end: a running call reports at least every 5 s
 while it makes chunks (``replicas/server.py``, ``HEARTBEAT_S``), and when no report came for
 ``stall_timeout_s`` it looks, every ``stall_check_s``, at the replica's heartbeat in Redis (its load
-report, every ``report_interval_s``, with its engine's step count). A replica that stopped
-reporting, or whose engine has made no step for ``stall_timeout_s`` while it has work, is
-stalled: its stream is cancelled and the request moves. A slow but healthy engine (a long
-prefill, a crowded batch) keeps stepping and is left alone.
+report, every ``report_interval_s``, with its engine's progress: steps, and the model layers run
+within a step). A replica that stopped reporting, or whose engine has made no progress for
+``stall_timeout_s`` while it has work, is stalled: its stream is cancelled and the request
+moves. A slow but healthy engine (a long prompt whose chunks each take seconds, a crowded
+batch) keeps counting layers and is left alone, however long one step takes.
 """
 
 from __future__ import annotations
@@ -309,12 +310,12 @@ class Relay:
         if raw is None:
             return f"replica {running.replica_id} stopped reporting"
         load = ReplicaLoad.from_json(raw)
-        if load.num_steps != watch.steps:
-            watch.steps, watch.steps_changed_s = load.num_steps, now  # slow, but stepping
+        if load.progress != watch.progress:
+            watch.progress, watch.progress_changed_s = load.progress, now  # slow, but working
             return None
-        stuck_s = now - watch.steps_changed_s
+        stuck_s = now - watch.progress_changed_s
         if load.is_busy and stuck_s >= self.settings.stall_timeout_s:
-            return f"replica {running.replica_id} made no engine step in {stuck_s:.0f} s"
+            return f"replica {running.replica_id} made no engine progress in {stuck_s:.0f} s"
         return None
 
     async def _may_migrate(self, running: Running, reason: str) -> bool:
@@ -407,12 +408,12 @@ class Relay:
 
 @dataclass(slots=True)
 class _Watch:
-    """When the relay last heard from the replica, the engine step count its heartbeat last
+    """When the relay last heard from the replica, the engine progress its heartbeat last
     showed, and when that count last changed."""
 
     last_wire_s: float
-    steps: int | None = None
-    steps_changed_s: float = 0.0
+    progress: int | None = None
+    progress_changed_s: float = 0.0
 
     def seen(self, now: float) -> None:
         self.last_wire_s = now

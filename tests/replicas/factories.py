@@ -54,7 +54,7 @@ class ScriptedEngine:
         return CachedPrefix()
 
     def load(self) -> LoadSnapshot:
-        return LoadSnapshot(0, 0, 10, 10, 4, 7, "scripted")
+        return LoadSnapshot(0, 0, 10, 10, 4, num_steps=7, progress=9, compute="scripted")
 
     async def check_health(self) -> None:
         return None

@@ -45,8 +45,8 @@ def test_a_call_s_chunks_go_to_the_sink_and_its_end_comes_back_over_ray() -> Non
         assert memory.sink.written[0].stream == a_call().stream
         [publisher] = memory.publishers
         [load] = publisher.reports  # one at start; ``run`` reports the rest
-        assert (load.replica_id, load.max_ongoing, load.node, load.num_steps, load.model) == (
-            replica.replica_id, 4, "here", 7, "SmolLM2-135M-Instruct")
+        assert (load.replica_id, load.max_ongoing, load.node, load.num_steps, load.progress,
+                load.model) == (replica.replica_id, 4, "here", 7, 9, "SmolLM2-135M-Instruct")
         await replica.__del__()
         assert publisher.withdrawn == [replica.replica_id]
         assert memory.sink.is_closed

@@ -202,6 +202,9 @@ class LlamaForCausalLM(nn.Module):
             else uninitialized_linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         self.uses_cpu_kernels = False
+        # layers run so far (every step's): the engine's sign of life inside a long step, read
+        # from another thread (an int's update is atomic under the GIL)
+        self.num_layers_run = 0
 
     def forward(
         self,
@@ -217,6 +220,7 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary.lookup(positions, x.dtype)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = layer(x, rope, kv_cache, meta, _Lora(lora, i))
+            self.num_layers_run += 1
         return x
 
     def _forward_cpu_kernels(
@@ -255,6 +259,7 @@ class LlamaForCausalLM(nn.Module):
                 h = ops.add_rms_norm(x, m, layers[i + 1].input_layernorm.weight, eps)
             else:
                 x.add_(m)
+            self.num_layers_run += 1
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

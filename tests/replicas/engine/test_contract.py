@@ -7,6 +7,7 @@ scheduling, abort and disconnect freeing KV blocks at once, seeds, stop strings,
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import time
@@ -262,6 +263,40 @@ def test_cached_prefix_names_the_prompt_blocks_the_engine_cached(engine) -> None
         assert time.monotonic() < deadline, "the engine did not publish the prompt's blocks"
         time.sleep(0.1)
     assert eng.cached_prefix().version != before.version
+
+
+def test_progress_counts_every_step_and_in_torch_every_layer_within_a_step(engine) -> None:
+    """What the dispatchers watch to tell a slow replica from a hung one (the load report's
+    ``progress``): it never counts fewer than the steps; the torch engine's moves while a step
+    runs (its model layers), so a step longer than the stall timeout is not a stall."""
+    _, eng = engine
+    prompt = tuple(range(2000, 2000 + 600))  # 5 prefill steps of 128 tokens, then decodes
+    sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        seen = []
+        task = asyncio.ensure_future(collect(eng, GenerateRequest("progress", sampling,
+                                                                  prompt_token_ids=prompt)))
+        while not task.done():
+            load = eng.load()
+            seen.append((load.num_steps, load.progress))
+            await asyncio.sleep(0.001)
+        await task
+        return seen
+
+    before = eng.load()
+    seen = run(engine, scenario())
+    after = eng.load()
+    assert after.num_steps >= before.num_steps + 4  # at least one per output token
+    assert after.progress - before.progress >= after.num_steps - before.num_steps
+    if isinstance(eng, TorchEngine):
+        num_layers = eng.core.model_config.num_layers
+        assert after.num_steps - before.num_steps == 8  # 5 prefill steps (the last samples), 3
+        assert after.progress - before.progress == (after.num_steps - before.num_steps) * (
+            1 + num_layers)
+        within_a_step = [(a, b) for a, b in itertools.pairwise(seen)
+                         if a[0] == b[0] and b[1] > a[1]]
+        assert within_a_step, "the progress never moved during a step"
 
 
 # ---- the extensions clients send: n, structured output, penalties, bias, stop strings ----

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from replicas.protocol import CallReport, ChunkUsage, Halt, ReplicaCall
+from replicas.protocol import CallReport, ChunkUsage, Halt, ReplicaCall, ReplicaLoad
 from router.dispatch import response_events
 from router.dispatch.relay import Relay, RelaySettings, Running, lose_lease
 from router.dispatch.response_events import ChunkData, EndData
@@ -47,13 +47,20 @@ class Hang:
 
 
 @dataclass(frozen=True)
+class Pause:
+    """A step of a scripted call: nothing on the stream for ``seconds`` (a long engine step)."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Do:
     """A step of a scripted call: something else happens meanwhile (``action()``)."""
 
     action: Any
 
 
-Step = Chunk | CallReport | BaseException | Hang | Do
+Step = Chunk | CallReport | BaseException | Hang | Pause | Do
 
 
 @dataclass
@@ -74,6 +81,8 @@ class ScriptedStream:
                 return
             if isinstance(step, Hang):
                 await asyncio.Event().wait()
+            elif isinstance(step, Pause):
+                await asyncio.sleep(step.seconds)
             elif isinstance(step, Do):
                 step.action()
             elif isinstance(step, Chunk):
@@ -275,6 +284,64 @@ def test_a_replica_that_stops_reporting_is_stalled_cancelled_and_the_request_mov
             assert [reason for _, reason in migrations] == ["stalled"]
             assert token_ids(await stream_of(h, grant)) == [1, 2]
             assert (await h.queues.get("t", "r1")).state is RequestState.COMPLETED
+
+    run(scenario())
+
+
+async def heartbeat(h: Harness, replica_id: str, is_working: bool) -> None:
+    """A busy replica's load reports, every 20 ms, in one engine step that never ends: its
+    step count stands still; its progress (the layers it runs) counts on while ``is_working``
+    (a long prompt's chunk), and stands still too when not (a hung engine)."""
+    progress = 0
+    while True:
+        progress += is_working
+        load = ReplicaLoad(replica_id, 4, 1, 1, 0, 10, 10, 0.0, int(time.time() * 1000),
+                           num_steps=5, progress=progress)
+        await h.client.set(keys.replica(replica_id), load.to_json(), ex=5)
+        await asyncio.sleep(0.02)
+
+
+def test_a_step_longer_than_the_stall_timeout_that_runs_its_layers_is_left_alone(
+        redis_url) -> None:
+    async def scenario() -> None:
+        async with harness(redis_url) as h:
+            grant = await granted(h)
+            beating = asyncio.create_task(heartbeat(h, "rep-1", is_working=True))
+            replicas = ScriptedReplicas(h, [[CallReport(replica_id="rep-1"),
+                                             Pause(5 * FAST.stall_timeout_s), Chunk((1,), 0),
+                                             finish(1)]])
+            try:
+                running, migrations = await relay_run(h, grant, replicas)
+            finally:
+                beating.cancel()
+
+            assert migrations == [] and len(replicas.calls) == 1
+            assert not replicas.streams[0].is_cancelled
+            assert token_ids(await stream_of(h, grant)) == [1]
+
+    run(scenario())
+
+
+def test_a_busy_replica_whose_engine_makes_no_progress_is_stalled_and_the_request_moves(
+        redis_url) -> None:
+    async def scenario() -> None:
+        async with harness(redis_url) as h:
+            grant = await granted(h)
+            beating = asyncio.create_task(heartbeat(h, "rep-1", is_working=False))
+            replicas = ScriptedReplicas(h, [
+                [CallReport(replica_id="rep-1"), Chunk((1,), 0), Hang()],
+                [CallReport(replica_id="rep-2"), Chunk((2,), 1), finish(2)]])
+            started = time.monotonic()
+            try:
+                running, migrations = await relay_run(h, grant, replicas)
+            finally:
+                beating.cancel()
+
+            assert replicas.streams[0].is_cancelled
+            # the first look records the progress; no change for a stall timeout after it
+            assert time.monotonic() - started >= 2 * FAST.stall_timeout_s
+            assert [reason for _, reason in migrations] == ["stalled"]
+            assert token_ids(await stream_of(h, grant)) == [1, 2]
 
     run(scenario())
 
