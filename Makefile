@@ -15,6 +15,7 @@
 #                            1/32/128 streams, real engine and a no-model token source
 #   make bench-soak  Redis's memory under 8 streams for 30 minutes (flat after one resume window)
 #   make bench-usage  request lifetimes on one redis-server with usage records on and off
+#   make bench-attention  the CPU kernels' paged attention, tiles against row by row, at depths
 #   make image       build the CPU container image localhost/fairserve-cpu:<version> (root)
 #   make test-image  build it and serve from inside it (tests/deploy/test_image.py; minutes)
 #   make helm-values regenerate the Helm chart's values.yaml and values.schema.json
@@ -27,7 +28,7 @@ STAMP  := $(VENV)/.installed-stamp
 CHECKOV := .venv-checkov/bin/checkov
 PYTEST_ARGS ?=
 
-.PHONY: install up test test-fast helm-values docs-config image test-image image-tools bench bench-cluster bench-tracing bench-autoscale bench-peer bench-fairness bench-affinity bench-serving-path bench-soak bench-usage lint clean
+.PHONY: install up test test-fast helm-values docs-config image test-image image-tools bench bench-cluster bench-tracing bench-autoscale bench-peer bench-fairness bench-affinity bench-serving-path bench-soak bench-usage bench-attention lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -84,6 +85,9 @@ bench-soak: $(STAMP)
 
 bench-usage: $(STAMP)
 	$(PY) -m cluster.benchmarks.usage_bench
+
+bench-attention: $(STAMP)
+	$(PY) -m cluster.benchmarks.attention_bench
 
 bench-peer: $(STAMP)
 	$(PY) -m cluster.benchmarks.peer_bench

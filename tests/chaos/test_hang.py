@@ -28,11 +28,11 @@ from tests.cluster.factories import UpProcess
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.e2e]
 
-# below the longest steps here on purpose: a 256-token chunk deep into a 4,200-token prompt takes
-# ~5 s on one core of a 2-core EPYC (the first ~0.8 s): the engine's layers, which it counts,
-# are what tells the relay that it works (a layer takes ~0.2 s)
-STALL_TIMEOUT_S = 4.0
-PREFILL_CHUNK = 256
+# below the longest steps here on purpose: a 512-token chunk deep into a 4,200-token prompt takes
+# ~4 s on one core of a 2-core EPYC (the first ~1 s): the engine's layers, which it counts, are
+# what tells the relay that it works (a layer takes ~0.15 s); a frozen replica reports nothing
+STALL_TIMEOUT_S = 2.5
+PREFILL_CHUNK = 512
 
 
 def hang_settings() -> dict:
@@ -70,8 +70,8 @@ async def freeze_a_replica(base: str, key: str, up_pid: int) -> list[StreamResul
 def test_sigstop_of_a_replica_moves_its_streams_and_a_long_prefill_does_not(tmp_path) -> None:
     up, base, key, _ = start(tmp_path, hang_settings())
     try:
-        # slow but healthy: a prompt of ~4,200 tokens prefills in 17 steps of 256 tokens: no
-        # chunk for 15-50 s (by the machine), far past the stall timeout, and the last steps
+        # slow but healthy: a prompt of ~4,200 tokens prefills in 9 steps of 512 tokens: no
+        # chunk for 10-30 s (by the machine), far past the stall timeout, and the last steps
         # are longer than it too, but every model layer of them counts as progress
         long = {"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": [
             {"role": "user", "content": "Summarise: " + "the quick brown fox jumps. " * 700}]}

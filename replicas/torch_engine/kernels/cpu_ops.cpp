@@ -331,17 +331,179 @@ void attend_row(const float* q, const T* k_cache, const T* v_cache, const int64_
   }
 }
 
+// ---- the same rows, a tile at a time -----------------------------------------------------------
+//
+// A long prompt's chunk is hundreds of rows of one sequence: attend_row per row reads each of
+// its thousands of keys and values once per row and sums every score's lanes alone. A tile
+// (up to kTileRows consecutive rows of one sequence and one KV head) widens 16 keys at a time
+// once for all its queries, sums the 16 scores' lanes together (reduce16), and adds 16 values
+// into each query's sums held in registers. Every row's arithmetic is attend_row's, operation
+// for operation (the same products, the same lane order, the same pairwise tree, the same key
+// order): a row's result is bit for bit what attend_row gives, whatever tile or batch it is in
+// (tests/replicas/torch_engine/test_cpu_kernels.py holds both). Head sizes that are not a
+// multiple of 16 lanes keep attend_row.
+
+constexpr int64_t kTileRows = 8;
+
+using vi32 = int32_t __attribute__((vector_size(64)));
+
+// lane k of the result: sum_lanes of a[k] (its lanes added pairwise: l + l+8, then l + l+4,
+// l + l+2, l + l+1, exactly as sum_vec), for 16 vectors at once
+inline vf reduce16(const vf* a) {
+  static const vi32 kLow8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  static const vi32 kHigh8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  static const vi32 kLow4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  static const vi32 kHigh4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  static const vi32 kLow2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  static const vi32 kHigh2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  static const vi32 kLow1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  static const vi32 kHigh1 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  vf b[8], c[4], d[2];
+  // b[p]: keys 2p, 2p+1, 8 lanes each; c[p]: keys 4p..4p+3, 4 lanes each; d[p]: 8p..8p+7, 2
+  for (int p = 0; p < 8; ++p) {
+    b[p] = __builtin_shuffle(a[2 * p], a[2 * p + 1], kLow8) +
+           __builtin_shuffle(a[2 * p], a[2 * p + 1], kHigh8);
+  }
+  for (int p = 0; p < 4; ++p) {
+    c[p] = __builtin_shuffle(b[2 * p], b[2 * p + 1], kLow4) +
+           __builtin_shuffle(b[2 * p], b[2 * p + 1], kHigh4);
+  }
+  for (int p = 0; p < 2; ++p) {
+    d[p] = __builtin_shuffle(c[2 * p], c[2 * p + 1], kLow2) +
+           __builtin_shuffle(c[2 * p], c[2 * p + 1], kHigh2);
+  }
+  return __builtin_shuffle(d[0], d[1], kLow1) + __builtin_shuffle(d[0], d[1], kHigh1);
+}
+
+// keys j0..j0+count-1 of a sequence (count <= 16) of one KV head, widened to float32 rows of D
+// (the rest zero)
+template <typename T>
+void widen_keys(const T* cache, const int64_t* table, int64_t j0, int64_t count,
+                int64_t kv_head, const AttentionShape& s, float* rows) {
+  const int64_t D = s.head_dim, kv_size = s.num_kv_heads * D;
+  for (int64_t c = 0; c < kLanes; ++c) {
+    float* row = rows + c * D;
+    if (c >= count) {
+      std::fill(row, row + D, 0.f);
+      continue;
+    }
+    const int64_t key = j0 + c;
+    const T* src = cache + (table[key / s.block_size] * s.block_size + key % s.block_size) *
+                               kv_size + kv_head * D;
+    for (int64_t d = 0; d < D; d += kLanes) store_vec(row + d, load_vec(src + d));
+  }
+}
+
+// rows t0..t0+m-1 (one sequence's, consecutive) of KV head kv_head: attend_row for each, a tile
+// at a time (see above; D a multiple of 16)
+template <typename T>
+void attend_tile(const float* qf, const T* k_cache, const T* v_cache, const int64_t* table,
+                 const int64_t* pos, int64_t t0, int64_t m, int64_t kv_head, int64_t group,
+                 const AttentionShape& s, std::vector<float>& scores, std::vector<float>& wide,
+                 T* out) {
+  const int64_t D = s.head_dim;
+  int64_t lo[kTileRows], hi[kTileRows], offset[kTileRows + 1];
+  offset[0] = 0;
+  for (int64_t r = 0; r < m; ++r) {
+    hi[r] = pos[t0 + r];
+    lo[r] = s.window > 0 ? std::max<int64_t>(0, hi[r] - s.window + 1) : 0;
+    offset[r + 1] = offset[r] + group * (hi[r] - lo[r] + 1);
+  }
+  const int64_t first = *std::min_element(lo, lo + m), last = *std::max_element(hi, hi + m);
+  scores.resize(static_cast<size_t>(offset[m]));
+  wide.resize(static_cast<size_t>(kLanes * D));
+  const auto query = [&](int64_t r, int64_t g) {
+    return qf + ((t0 + r) * s.num_heads + kv_head * group + g) * D;
+  };
+  // scores: 16 keys at a time, each as dot() gives it, times the scale
+  for (int64_t j0 = first; j0 <= last; j0 += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, last - j0 + 1);
+    widen_keys(k_cache, table, j0, count, kv_head, s, wide.data());
+    for (int64_t r = 0; r < m; ++r) {
+      if (j0 > hi[r] || j0 + kLanes <= lo[r]) continue;
+      const int64_t c0 = std::max<int64_t>(0, lo[r] - j0), c1 = std::min(count, hi[r] - j0 + 1);
+      const int64_t n = hi[r] - lo[r] + 1;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* q = query(r, g);
+        vf acc[kLanes] = {};
+        for (int64_t d = 0; d < D; d += kLanes) {
+          const vf qd = load_vec(q + d);
+#pragma GCC unroll 16
+          for (int64_t c = 0; c < kLanes; ++c) acc[c] += qd * load_vec(wide.data() + c * D + d);
+        }
+        const vf tail = {};  // dot's tail, empty here
+        float sums[kLanes];
+        store_vec(sums, (reduce16(acc) + tail) * s.scale);
+        float* sg = scores.data() + offset[r] + g * n;
+        for (int64_t c = c0; c < c1; ++c) sg[j0 + c - lo[r]] = sums[c];
+      }
+    }
+  }
+  // each query's softmax, as attend_row's
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t n = hi[r] - lo[r] + 1;
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = scores.data() + offset[r] + g * n;
+      const float mx = max_array(sg, n);
+      for (int64_t j = 0; j < n; ++j) sg[j] -= mx;
+      exp_nonpositive(sg, n);
+      const float inv = 1.0f / sum_array(sg, n);
+      for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+    }
+  }
+  // values: 16 at a time, added in key order into each query's sums (axpy's arithmetic)
+  const int64_t num_queries = m * group;
+  std::vector<float> acc(static_cast<size_t>(num_queries * D), 0.f);
+  for (int64_t j0 = first; j0 <= last; j0 += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, last - j0 + 1);
+    widen_keys(v_cache, table, j0, count, kv_head, s, wide.data());
+    for (int64_t r = 0; r < m; ++r) {
+      if (j0 > hi[r] || j0 + kLanes <= lo[r]) continue;
+      const int64_t c0 = std::max<int64_t>(0, lo[r] - j0), c1 = std::min(count, hi[r] - j0 + 1);
+      const int64_t n = hi[r] - lo[r] + 1;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* w = scores.data() + offset[r] + g * n + (j0 - lo[r]);
+        float* a = acc.data() + (r * group + g) * D;
+        for (int64_t d = 0; d < D; d += kLanes) {
+          vf sum = load_vec(a + d);
+          for (int64_t c = c0; c < c1; ++c) sum = sum + w[c] * load_vec(wide.data() + c * D + d);
+          store_vec(a + d, sum);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    T* o = out + (t0 + r) * s.num_heads * D + kv_head * group * D;
+    const float* a = acc.data() + r * group * D;
+    for (int64_t i = 0; i < group * D; ++i) o[i] = store<T>(a[i]);
+  }
+}
+
+// where each tile of rows starts (and num_tokens at the end): runs of consecutive rows of one
+// sequence, at most kTileRows long
+inline std::vector<int64_t> tile_starts(const int64_t* seq, int64_t num_tokens) {
+  std::vector<int64_t> starts;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (starts.empty() || seq[t] != seq[starts.back()] || t - starts.back() == kTileRows) {
+      starts.push_back(t);
+    }
+  }
+  starts.push_back(num_tokens);
+  return starts;
+}
+
 // qkv: (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim), the fused projection's output.
 // positions, slots, token_seq: (num_tokens,) long; block_tables: (num_seqs, max_blocks) long;
 // cos, sin: (max_positions, head_dim / 2) float32; caches: (num_blocks, block_size, kv_heads,
 // head_dim). A token at position p sees keys max(0, p - window + 1)..p (window 0: all).
-// Returns (num_tokens, num_heads * head_dim).
+// Returns (num_tokens, num_heads * head_dim). by_rows: attend_row for every row, never a tile
+// (the same bits, slower: for the tests and the benchmark that compare the two).
 at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& positions,
                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                            at::Tensor v_cache, const at::Tensor& slots,
                            const at::Tensor& token_seq, const at::Tensor& block_tables,
                            int64_t num_heads, int64_t num_kv_heads, int64_t window,
-                           double scale) {
+                           double scale, bool by_rows) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "paged_attention: qkv (tokens, width)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches");
   TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type(), "paged_attention: cache dtype");
@@ -371,6 +533,19 @@ at::Tensor paged_attention(const at::Tensor& qkv, const at::Tensor& positions,
     const float* qf = q.data_ptr<float>();
     scalar_t* o = out.data_ptr<scalar_t>();
     // every key of the step is in the cache before any row attends (a chunk sees its own keys)
+    if (D % kLanes == 0 && !by_rows) {
+      const std::vector<int64_t> tiles = tile_starts(seq, s.num_tokens);
+      const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
+      at::parallel_for(0, num_tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores, wide;
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t i = task / num_kv_heads, h = task % num_kv_heads, t0 = tiles[i];
+          attend_tile<scalar_t>(qf, kc, vc, tables + seq[t0] * s.max_blocks, pos, t0,
+                                tiles[i + 1] - t0, h, group, s, scores, wide, o);
+        }
+      });
+      return;
+    }
     at::parallel_for(0, s.num_tokens * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores, acc;
       for (int64_t task = begin; task < end; ++task) {
@@ -536,7 +711,7 @@ TORCH_LIBRARY(fairserve, m) {
   m.def(
       "paged_attention(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, Tensor slots, Tensor token_seq, Tensor block_tables, int num_heads, "
-      "int num_kv_heads, int window, float scale) -> Tensor");
+      "int num_kv_heads, int window, float scale, bool by_rows=False) -> Tensor");
   m.def(
       "lora_apply(Tensor(a!) y, Tensor x, Tensor rows, Tensor slots, Tensor[] a, Tensor[] b, "
       "Tensor starts) -> Tensor(a!)");

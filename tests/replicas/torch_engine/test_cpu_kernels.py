@@ -64,13 +64,14 @@ class Cache:
             1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.cos, self.sin = freqs.cos().contiguous(), freqs.sin().contiguous()
 
-    def run(self, qkv: torch.Tensor, seqs: list[int], positions: list[int]) -> torch.Tensor:
+    def run(self, qkv: torch.Tensor, seqs: list[int], positions: list[int],
+            by_rows: bool = False) -> torch.Tensor:
         pos = torch.tensor(positions, dtype=torch.long)
         seq = torch.tensor(seqs, dtype=torch.long)
         slots = self.tables[seq, pos // BLOCK] * BLOCK + pos % BLOCK
         return torch.ops.fairserve.paged_attention(
             qkv.contiguous(), pos, self.cos, self.sin, self.k, self.v, slots.contiguous(), seq,
-            self.tables, self.heads, self.kv_heads, self.window, self.head_dim ** -0.5)
+            self.tables, self.heads, self.kv_heads, self.window, self.head_dim ** -0.5, by_rows)
 
     def reference(self, qkv: torch.Tensor, seqs: list[int], positions: list[int],
                   roped_keys: dict[tuple[int, int], torch.Tensor],
@@ -160,6 +161,29 @@ def test_a_row_does_not_depend_on_its_batch_or_chunking(dtype: torch.dtype) -> N
     for p in range(30):
         block, offset = alone.tables[0, p // BLOCK], p % BLOCK
         assert torch.equal(mixed.k[block, offset], alone.k[block, offset])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 5, 21])
+def test_the_tiles_give_the_row_by_row_bits(dtype: torch.dtype, window: int) -> None:
+    """A long chunk is attended 8 rows at a time (16 keys widened once for all their queries);
+    every row must be bit for bit what the row-by-row path gives: prefills of many lengths
+    (tiles cut at 8 rows and at each sequence), a chunk continuing a prefix, decodes, windows."""
+    torch.manual_seed(5)
+    heads, kv_heads, D = 9, 3, 64
+    width = (heads + 2 * kv_heads) * D
+    cache = Cache(dtype, heads, kv_heads, D, num_seqs=4, max_len=120, window=window)
+    steps = [
+        ([0] * 37 + [1] * 9 + [2] * 1, list(range(37)) + list(range(9)) + [0]),
+        ([1] * 70 + [3] * 17 + [0], list(range(9, 79)) + list(range(17)) + [37]),
+        ([0, 1, 2, 3], [38, 79, 1, 17]),
+        ([2] * 100, list(range(2, 102))),
+    ]
+    for seqs, positions in steps:
+        qkv = torch.randn(len(seqs), width).to(dtype)
+        by_rows = cache.run(qkv, seqs, positions, by_rows=True)
+        tiled = cache.run(qkv, seqs, positions)
+        assert torch.equal(tiled, by_rows)
 
 
 def test_rms_norm_rows_do_not_depend_on_the_batch() -> None:
