@@ -302,6 +302,15 @@ inline void for_each_key(const int64_t* table, int64_t lo, int64_t n, int64_t bl
   }
 }
 
+// x[0..n) <- softmax(x), in place
+inline void softmax(float* x, int64_t n) {
+  const float mx = max_array(x, n);
+  for (int64_t j = 0; j < n; ++j) x[j] -= mx;
+  exp_nonpositive(x, n);
+  const float inv = 1.0f / sum_array(x, n);
+  for (int64_t j = 0; j < n; ++j) x[j] *= inv;
+}
+
 // one token's query heads of one KV head against keys lo..p of its sequence
 template <typename T>
 void attend_row(const float* q, const T* k_cache, const T* v_cache, const int64_t* table,
@@ -314,14 +323,7 @@ void attend_row(const float* q, const T* k_cache, const T* v_cache, const int64_
     for (int64_t g = 0; g < group; ++g) scores[g * n + j] = dot(q + g * D, k, D) * s.scale;
   });
   acc.assign(static_cast<size_t>(group * D), 0.f);
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores.data() + g * n;
-    const float mx = max_array(sg, n);
-    for (int64_t j = 0; j < n; ++j) sg[j] -= mx;
-    exp_nonpositive(sg, n);
-    const float inv = 1.0f / sum_array(sg, n);
-    for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
-  }
+  for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * n, n);
   for_each_key(table, lo, n, s.block_size, [&](int64_t j, int64_t slot) {
     const T* v = v_cache + slot * kv_size + kv_head * D;
     for (int64_t g = 0; g < group; ++g) axpy(acc.data() + g * D, scores[g * n + j], v, D);
@@ -415,63 +417,56 @@ void attend_tile(const float* qf, const T* k_cache, const T* v_cache, const int6
   const auto query = [&](int64_t r, int64_t g) {
     return qf + ((t0 + r) * s.num_heads + kv_head * group + g) * D;
   };
-  // scores: 16 keys at a time, each as dot() gives it, times the scale
-  for (int64_t j0 = first; j0 <= last; j0 += kLanes) {
-    const int64_t count = std::min<int64_t>(kLanes, last - j0 + 1);
-    widen_keys(k_cache, table, j0, count, kv_head, s, wide.data());
-    for (int64_t r = 0; r < m; ++r) {
-      if (j0 > hi[r] || j0 + kLanes <= lo[r]) continue;
-      const int64_t c0 = std::max<int64_t>(0, lo[r] - j0), c1 = std::min(count, hi[r] - j0 + 1);
-      const int64_t n = hi[r] - lo[r] + 1;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* q = query(r, g);
-        vf acc[kLanes] = {};
-        for (int64_t d = 0; d < D; d += kLanes) {
-          const vf qd = load_vec(q + d);
-#pragma GCC unroll 16
-          for (int64_t c = 0; c < kLanes; ++c) acc[c] += qd * load_vec(wide.data() + c * D + d);
-        }
-        const vf tail = {};  // dot's tail, empty here
-        float sums[kLanes];
-        store_vec(sums, (reduce16(acc) + tail) * s.scale);
-        float* sg = scores.data() + offset[r] + g * n;
-        for (int64_t c = c0; c < c1; ++c) sg[j0 + c - lo[r]] = sums[c];
+  // fn(j0, r, c0, c1): keys j0 + c0 .. j0 + c1 - 1 (of the 16 from j0, widened into `wide`)
+  // are row r's
+  const auto for_each_group = [&](const T* cache, auto fn) {
+    for (int64_t j0 = first; j0 <= last; j0 += kLanes) {
+      const int64_t count = std::min<int64_t>(kLanes, last - j0 + 1);
+      widen_keys(cache, table, j0, count, kv_head, s, wide.data());
+      for (int64_t r = 0; r < m; ++r) {
+        if (j0 > hi[r] || j0 + kLanes <= lo[r]) continue;
+        fn(j0, r, std::max<int64_t>(0, lo[r] - j0), std::min(count, hi[r] - j0 + 1));
       }
     }
-  }
+  };
+  // scores: 16 keys at a time, each as dot() gives it, times the scale
+  for_each_group(k_cache, [&](int64_t j0, int64_t r, int64_t c0, int64_t c1) {
+    const int64_t n = hi[r] - lo[r] + 1;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* q = query(r, g);
+      vf acc[kLanes] = {};
+      for (int64_t d = 0; d < D; d += kLanes) {
+        const vf qd = load_vec(q + d);
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < kLanes; ++c) acc[c] += qd * load_vec(wide.data() + c * D + d);
+      }
+      const vf tail = {};  // dot's tail, empty here
+      float sums[kLanes];
+      store_vec(sums, (reduce16(acc) + tail) * s.scale);
+      float* sg = scores.data() + offset[r] + g * n;
+      for (int64_t c = c0; c < c1; ++c) sg[j0 + c - lo[r]] = sums[c];
+    }
+  });
   // each query's softmax, as attend_row's
   for (int64_t r = 0; r < m; ++r) {
     const int64_t n = hi[r] - lo[r] + 1;
-    for (int64_t g = 0; g < group; ++g) {
-      float* sg = scores.data() + offset[r] + g * n;
-      const float mx = max_array(sg, n);
-      for (int64_t j = 0; j < n; ++j) sg[j] -= mx;
-      exp_nonpositive(sg, n);
-      const float inv = 1.0f / sum_array(sg, n);
-      for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
-    }
+    for (int64_t g = 0; g < group; ++g) softmax(scores.data() + offset[r] + g * n, n);
   }
   // values: 16 at a time, added in key order into each query's sums (axpy's arithmetic)
   const int64_t num_queries = m * group;
   std::vector<float> acc(static_cast<size_t>(num_queries * D), 0.f);
-  for (int64_t j0 = first; j0 <= last; j0 += kLanes) {
-    const int64_t count = std::min<int64_t>(kLanes, last - j0 + 1);
-    widen_keys(v_cache, table, j0, count, kv_head, s, wide.data());
-    for (int64_t r = 0; r < m; ++r) {
-      if (j0 > hi[r] || j0 + kLanes <= lo[r]) continue;
-      const int64_t c0 = std::max<int64_t>(0, lo[r] - j0), c1 = std::min(count, hi[r] - j0 + 1);
-      const int64_t n = hi[r] - lo[r] + 1;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* w = scores.data() + offset[r] + g * n + (j0 - lo[r]);
-        float* a = acc.data() + (r * group + g) * D;
-        for (int64_t d = 0; d < D; d += kLanes) {
-          vf sum = load_vec(a + d);
-          for (int64_t c = c0; c < c1; ++c) sum = sum + w[c] * load_vec(wide.data() + c * D + d);
-          store_vec(a + d, sum);
-        }
+  for_each_group(v_cache, [&](int64_t j0, int64_t r, int64_t c0, int64_t c1) {
+    const int64_t n = hi[r] - lo[r] + 1;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* w = scores.data() + offset[r] + g * n + (j0 - lo[r]);
+      float* a = acc.data() + (r * group + g) * D;
+      for (int64_t d = 0; d < D; d += kLanes) {
+        vf sum = load_vec(a + d);
+        for (int64_t c = c0; c < c1; ++c) sum = sum + w[c] * load_vec(wide.data() + c * D + d);
+        store_vec(a + d, sum);
       }
     }
-  }
+  });
   for (int64_t r = 0; r < m; ++r) {
     T* o = out + (t0 + r) * s.num_heads * D + kv_head * group * D;
     const float* a = acc.data() + r * group * D;
