@@ -38,6 +38,8 @@ class ReplicaLoad:
     def from_json(cls, raw: bytes | str) -> ReplicaLoad:
         fields = json.loads(raw)
         fields["adapters"] = tuple(fields.get("adapters", ()))
+        # a replica of a release before progress (a rolling upgrade): its steps are its progress
+        fields.setdefault("progress", fields.get("num_steps", 0))
         return cls(**{k: v for k, v in fields.items() if k in cls.__dataclass_fields__})
 
     def to_json(self) -> str:

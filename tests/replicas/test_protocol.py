@@ -7,7 +7,14 @@ import json
 
 import pytest
 
-from replicas.protocol import CallReport, CallSampling, ChunkTimings, ChunkUsage, Halt
+from replicas.protocol import (
+    CallReport,
+    CallSampling,
+    ChunkTimings,
+    ChunkUsage,
+    Halt,
+    ReplicaLoad,
+)
 
 REPORTS = [
     CallReport("r1"),  # the replica saying it has the call
@@ -59,3 +66,14 @@ def test_the_engine_refuses_a_stop_string_over_the_shared_cap() -> None:
     SamplingParams(stop=("x" * MAX_STOP_STRING_CHARS,))
     with pytest.raises(InvalidRequestError, match="stop string"):
         SamplingParams(stop=("x" * (MAX_STOP_STRING_CHARS + 1),))
+
+
+def test_a_load_report_reads_back_and_one_without_progress_counts_its_steps() -> None:
+    load = ReplicaLoad("rep-1", 4, 1, 1, 0, 10, 8, 2.5, 123, num_steps=5, progress=155,
+                       adapters=("a",), model="m")
+    assert ReplicaLoad.from_json(load.to_json()) == load
+    # a replica still on a release before progress (a rolling upgrade) publishes no such field:
+    # its steps stand for it, so a busy one is not taken for a hung one while it steps
+    old = json.loads(load.to_json())
+    del old["progress"]
+    assert ReplicaLoad.from_json(json.dumps(old)).progress == 5
