@@ -62,19 +62,37 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be at least 1")
+    return value
+
+
+def depth_list(text: str) -> list[int]:
+    try:
+        depths = [int(d) for d in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated whole numbers") from None
+    if any(d < 0 for d in depths):
+        raise argparse.ArgumentTypeError(f"{text!r}: depths cannot be negative")
+    return depths
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--depths", default="0,1024,2048,4096,7680")
-    parser.add_argument("--chunk", type=int, default=512)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--depths", type=depth_list, default="0,1024,2048,4096,7680",
+                        help="tokens already in the cache, comma-separated")
+    parser.add_argument("--chunk", type=positive, default=512)
+    parser.add_argument("--threads", type=positive, default=1)
+    parser.add_argument("--repeats", type=positive, default=5)
     args = parser.parse_args()
     status = cpu_ops()
     if not status.is_available:
         raise SystemExit(f"the CPU kernels are not available here: {status.detail}")
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    depths = [int(d) for d in args.depths.split(",")]
+    depths = args.depths
     seq = Sequence(max(depths) + args.chunk + 1)
     # every depth's keys in the cache (written by the kernel itself, a chunk at a time)
     for start in range(0, max(depths), args.chunk):

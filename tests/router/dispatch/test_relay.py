@@ -8,6 +8,7 @@ completion and settlement, requeueing) is the real Redis scripts."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -288,17 +289,25 @@ def test_a_replica_that_stops_reporting_is_stalled_cancelled_and_the_request_mov
     run(scenario())
 
 
-async def heartbeat(h: Harness, replica_id: str, is_working: bool) -> None:
-    """A busy replica's load reports, every 20 ms, in one engine step that never ends: its
-    step count stands still; its progress (the layers it runs) counts on while ``is_working``
-    (a long prompt's chunk), and stands still too when not (a hung engine)."""
-    progress = 0
-    while True:
-        progress += is_working
-        load = ReplicaLoad(replica_id, 4, 1, 1, 0, 10, 10, 0.0, int(time.time() * 1000),
-                           num_steps=5, progress=progress)
-        await h.client.set(keys.replica(replica_id), load.to_json(), ex=5)
-        await asyncio.sleep(0.02)
+@contextlib.asynccontextmanager
+async def heartbeat(h: Harness, replica_id: str, is_working: bool) -> AsyncIterator[None]:
+    """While in the block: a busy replica's load reports, every 20 ms, in one engine step that
+    never ends: its step count stands still; its progress (the layers it runs) counts on while
+    ``is_working`` (a long prompt's chunk), and stands still too when not (a hung engine)."""
+    async def beat() -> None:
+        progress = 0
+        while True:
+            progress += is_working
+            load = ReplicaLoad(replica_id, 4, 1, 1, 0, 10, 10, 0.0, int(time.time() * 1000),
+                               num_steps=5, progress=progress)
+            await h.client.set(keys.replica(replica_id), load.to_json(), ex=5)
+            await asyncio.sleep(0.02)
+
+    beating = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        beating.cancel()
 
 
 def test_a_step_longer_than_the_stall_timeout_that_runs_its_layers_is_left_alone(
@@ -306,14 +315,11 @@ def test_a_step_longer_than_the_stall_timeout_that_runs_its_layers_is_left_alone
     async def scenario() -> None:
         async with harness(redis_url) as h:
             grant = await granted(h)
-            beating = asyncio.create_task(heartbeat(h, "rep-1", is_working=True))
             replicas = ScriptedReplicas(h, [[CallReport(replica_id="rep-1"),
                                              Pause(5 * FAST.stall_timeout_s), Chunk((1,), 0),
                                              finish(1)]])
-            try:
+            async with heartbeat(h, "rep-1", is_working=True):
                 running, migrations = await relay_run(h, grant, replicas)
-            finally:
-                beating.cancel()
 
             assert migrations == [] and len(replicas.calls) == 1
             assert not replicas.streams[0].is_cancelled
@@ -327,15 +333,12 @@ def test_a_busy_replica_whose_engine_makes_no_progress_is_stalled_and_the_reques
     async def scenario() -> None:
         async with harness(redis_url) as h:
             grant = await granted(h)
-            beating = asyncio.create_task(heartbeat(h, "rep-1", is_working=False))
             replicas = ScriptedReplicas(h, [
                 [CallReport(replica_id="rep-1"), Chunk((1,), 0), Hang()],
                 [CallReport(replica_id="rep-2"), Chunk((2,), 1), finish(2)]])
             started = time.monotonic()
-            try:
+            async with heartbeat(h, "rep-1", is_working=False):
                 running, migrations = await relay_run(h, grant, replicas)
-            finally:
-                beating.cancel()
 
             assert replicas.streams[0].is_cancelled
             # the first look records the progress; no change for a stall timeout after it
