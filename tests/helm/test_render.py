@@ -14,6 +14,7 @@ import pytest
 import yaml
 from jsonschema import Draft202012Validator
 
+from cluster.ray_quiet import QUIET_ENV
 from tests.helm.chart import (
     CHART_DIR,
     PROFILES,
@@ -195,20 +196,33 @@ def test_an_external_redis_behind_sentinel_renders_with_its_url_and_wait() -> No
     assert settings["queues"]["replicas_to_ack"] == 1
 
 
+def ray_envs(docs: list[dict]) -> list[dict[str, str]]:
+    """The environment of every Ray pod's container (the head's, then each group's)."""
+    spec = rayservice(docs)["spec"]["rayClusterConfig"]
+    pods = [spec["headGroupSpec"]] + spec["workerGroupSpecs"]
+    return [{e["name"]: e.get("value") for e in pod["template"]["spec"]["containers"][0]["env"]}
+            for pod in pods]
+
+
 def test_the_haproxy_ingress_sets_ray_serves_variables_on_every_ray_pod() -> None:
     """``fairserve.router.ingress: haproxy`` is what the launcher sets in a local Ray's
     environment (cluster/ingress.py); on Kubernetes every Ray container carries it."""
-    def ray_envs(docs: list[dict]) -> list[dict[str, str]]:
-        spec = rayservice(docs)["spec"]["rayClusterConfig"]
-        pods = [spec["headGroupSpec"]] + spec["workerGroupSpecs"]
-        return [{e["name"]: e.get("value") for e in pod["template"]["spec"]["containers"][0]["env"]}
-                for pod in pods]
-
     for env in ray_envs(render(values_of(None))):  # the default
         assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
         assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     for env in ray_envs(render(values_of(None, fairserve={"router": {"ingress": "proxy"}}))):
         assert "RAY_SERVE_ENABLE_HA_PROXY" not in env
+
+
+def test_ray_quiet_sets_the_launchers_variables_on_every_ray_pod_and_false_leaves_rays() -> None:
+    """``ray.quiet`` (the default) puts on every Ray container what the launcher puts in a local
+    Ray's environment (cluster/ray_quiet.py), the same names and values; false: none of them."""
+    envs = ray_envs(render(values_of(None)))
+    assert len(envs) >= 3  # the head, the routers, a model group
+    for env in envs:
+        assert {name: env.get(name) for name in QUIET_ENV} == QUIET_ENV
+    for env in ray_envs(render(values_of(None, ray={"quiet": False}))):
+        assert not set(QUIET_ENV) & set(env), env
 
 
 def test_embedded_redis_is_durable_and_never_evicts() -> None:

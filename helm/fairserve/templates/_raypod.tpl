@@ -145,6 +145,19 @@ spec:
         - name: RAY_SERVE_ENABLE_HA_PROXY
           value: "1"
         {{- end }}
+        {{- if $v.ray.quiet }}
+        # ray.quiet (cluster/ray_quiet.py): Ray's own background work turned down
+        - name: RAY_enable_task_events
+          value: "0"
+        - name: RAY_event_stats
+          value: "0"
+        - name: RAY_enable_metrics_collection
+          value: "0"
+        - name: RAY_SERVE_CONTROL_LOOP_INTERVAL_S
+          value: "0.5"
+        - name: RAY_SERVE_METRICS_EXPORT_INTERVAL_MS
+          value: "1000"
+        {{- end }}
         {{- with $v.ray.env }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
