@@ -25,8 +25,8 @@ from ray import serve
 
 from cluster.app import REPLICA_DEPLOYMENT, ROUTER_DEPLOYMENT, build_app
 from cluster.ingress import ingress_env, ingress_files
-from cluster.ray_quiet import QUIET_ENV
 from cluster.placement import RayResources, max_model_replicas, place
+from cluster.ray_quiet import QUIET_ENV
 from cluster.redis_server import EmbeddedRedis
 from cluster.settings import FairserveSettings, ServedModelSettings
 from replicas.model_info import describe_model
