@@ -3,7 +3,7 @@ fairserve's cluster as ``make up`` runs it, on the same GGUF file, in one run.
 
     python -m cluster.benchmarks.peer_bench [--concurrency 1 32] [--requests 32]
         [--prompt-tokens 100] [--output-tokens 64] [--repeats 3] [--threads 2] [--no-peer]
-        [--dtype auto|float32|bfloat16]
+        [--dtype auto|float32|bfloat16] [--ray-quiet on|off|both]
 
 Workload: distinct prompts of exactly ``--prompt-tokens`` tokens (sent as token ids, so every
 system sees the same tokens), each generating exactly ``--output-tokens`` tokens (``ignore_eos``),
@@ -14,7 +14,9 @@ per request). Runs alternate the systems, fresh prompts each run; the table show
 median run and the ratios to llama.cpp. llama-server runs with ``-t/-tb --threads`` and
 ``--parallel max(concurrency)``; the engine alone with ``num_threads --threads``; the cluster
 with the settings ``make up`` uses (only its ports moved), through HTTP, Ray Serve, the router,
-Redis and one replica.
+Redis and one replica. ``--ray-quiet both`` runs it all twice, a cluster with Ray's defaults
+first and then one with ``ray.quiet`` (``cluster/ray_quiet.py``), each pass with the engine
+alone beside it, and prints a table for each.
 """
 
 from __future__ import annotations
@@ -227,6 +229,9 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="engine.dtype of the engine alone and of the cluster")
+    parser.add_argument("--ray-quiet", default="on", choices=["on", "off", "both"],
+                        help="the cluster's ray.quiet (both: a cluster with Ray's defaults, "
+                        "then one with ray.quiet, each beside the engine alone)")
     args = parser.parse_args()
     gguf = EngineConfig().model
     peer = None
@@ -238,30 +243,41 @@ def main() -> None:
                                         max(args.concurrency),
                                         args.prompt_tokens + args.output_tokens + 64)
             peer.wait_ready()
+    passes = {"on": [True], "off": [False], "both": [False, True]}[args.ray_quiet]
+    tables = []
+    try:
+        for quiet in passes:  # each pass its own cluster; the engine alone is run in each
+            tables.append((quiet, run_pass(args, peer, quiet)))
+    finally:
+        if peer is not None:
+            peer.stop()
+    names = (["llama.cpp"] if peer else []) + ["engine", "cluster"]
+    for quiet, medians in tables:
+        print()
+        print(f"{cpu_name()}; {args.prompt_tokens} prompt tokens -> {args.output_tokens} output "
+              f"tokens, greedy, streamed; median of {args.repeats} runs; {args.threads} threads; "
+              f"fairserve dtype {args.dtype}; ray.quiet {'on' if quiet else 'off'}")
+        if peer is None:
+            print("llama.cpp: not run (see above)")
+        print_table(medians, names)
+
+
+def run_pass(args: argparse.Namespace, peer: llamacpp.LlamaServer | None, quiet: bool
+             ) -> dict[int, dict[str, Run]]:
+    """One cluster with `make up`'s settings (only the ports, the state directory, the dtype
+    and ``ray.quiet`` set here) and a round of every system against it."""
     with tempfile.TemporaryDirectory(prefix="fairserve-peer-bench-") as state_dir:
-        # `make up`'s settings: only the ports and the state directory moved
         settings = load_settings(state_dir=state_dir, router={"port": free_port()},
-                                 engine={"dtype": args.dtype},
+                                 engine={"dtype": args.dtype}, ray={"quiet": quiet},
                                  redis={"port": free_port()}, tenants={"create_demo": False})
         cluster = LocalCluster(settings, progress=lambda line: print(line, flush=True))
         try:
             info = cluster.start()
             key = add_tenant_with_key(info.redis_url, Tenant(id="bench", max_queued=10_000))
-            names_model = settings.engine.served_model_name
-            medians = asyncio.run(_main(args, peer, info.base_url, key, names_model))
+            return asyncio.run(_main(args, peer, info.base_url, key,
+                                     settings.engine.served_model_name))
         finally:
             cluster.stop()
-            if peer is not None:
-                peer.stop()
-    names = (["llama.cpp"] if peer else []) + ["engine", "cluster"]
-    print()
-    print(f"{cpu_name()}; {args.prompt_tokens} prompt tokens -> {args.output_tokens} output "
-          f"tokens, greedy, streamed; median of {args.repeats} runs; {args.threads} threads; "
-          f"fairserve dtype {args.dtype}")
-    if peer is None:
-        print("llama.cpp: not run (see above)")
-    print_table(medians, names)
-
 
 if __name__ == "__main__":
     main()

@@ -2,13 +2,16 @@
 
     python -m cluster.benchmarks.serving_path [--source both|engine|token-source]
         [--ingress proxy haproxy] [--streams 1 32 128] [--output-tokens 128] [--step-ms 10]
+        [--ray-quiet on off]
 
 Starts ``fairserve``'s own launcher (embedded Redis, local Ray, one model replica, one router:
 ``make up``'s shape) and streams ``--streams`` requests at once over HTTP (``/v1/completions``,
 a 16-token prompt given as ids, ``ignore_eos``, exactly ``--output-tokens`` tokens each), then
 reads each process's CPU time (``/proc/<pid>/stat``, user + system) over the run and divides
 it by the tokens streamed: the router, Ray Serve's HTTP proxy, redis-server, the model replica,
-and this client. The serving path is router + proxy + Redis.
+the rest of the cluster (Ray's controller, GCS, raylet and agents) and this client. The serving
+path is router + proxy + Redis. ``--ray-quiet off`` runs the clusters with Ray's defaults
+instead of ``ray.quiet`` (``cluster/ray_quiet.py``); ``on off``, each both ways.
 
 Each ingress (``router.ingress``: Ray Serve's Python HTTP proxy, or its HAProxy ingress in
 front of the routers' own HTTP ports; ``cluster/ingress.py``) and each source of tokens gets a
@@ -108,13 +111,18 @@ def find_processes() -> dict[str, list[int]]:
             raise RuntimeError(f"expected one {name} process ({title!r}), found {matches}")
         pids[name] = matches
     pids["proxy"] += [pid for pid, line in found.items() if HAPROXY in line.split(" ")[0]]
+    named = {pid for group in pids.values() for pid in group}
+    pids["rest"] = [pid for pid in found if pid not in named]  # Ray's controller, GCS, agents
     return pids
 
 
 def cpu_seconds(pids: list[int]) -> float:
     total = 0
     for pid in pids:
-        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+        try:
+            fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone during the run (a short-lived helper): its time is not counted
+            continue
         total += int(fields[11]) + int(fields[12])  # utime, stime
     return total / TICKS_S
 
@@ -145,13 +153,14 @@ async def measure(base_url: str, key: str, model: str, source: str, num_streams:
                     rss_mb(pids["router"]))
 
 
-def run_cluster(source: str, ingress: str, args: argparse.Namespace) -> list[Measured]:
+def run_cluster(source: str, ingress: str, quiet: bool, args: argparse.Namespace
+                ) -> list[Measured]:
     factory = token_source_factory(args.step_ms / 1e3) if source == "token-source" else None
-    label = f"{source} {ingress}"
+    label = f"{source} {ingress}" + ("" if quiet else " ray-defaults")
     with tempfile.TemporaryDirectory(prefix="fairserve-serving-path-") as state_dir:
         settings = load_settings(
             state_dir=state_dir, router={"port": free_port(), "ingress": ingress},
-            redis={"port": free_port()},
+            redis={"port": free_port()}, ray={"quiet": quiet},
             tenants={"create_demo": False},
             engine={"max_num_seqs": max(32, *args.streams)} if factory else {},
             replicas={"max_ongoing_requests": max(32, *args.streams)} if factory else {})
@@ -176,15 +185,15 @@ def import_cost() -> str:
 
 
 def print_table(rows: list[Measured]) -> None:
-    names = [*PROCESSES, "client"]
-    print(f"{'source ingress':<20} {'streams':>7} {'tokens':>7} {'tok/s':>8} | "
+    names = [*PROCESSES, "rest", "client"]
+    print(f"{'source ingress':<33} {'streams':>7} {'tokens':>7} {'tok/s':>8} | "
           + " ".join(f"{n:>8}" for n in names)
           + f" | {'path':>6} | {'router core tok/s':>17} | {'router RSS MB':>13}")
-    print(f"{'':<20} {'':>7} {'':>7} {'':>8} | {'CPU ms per streamed token':<44}")
+    print(f"{'':<33} {'':>7} {'':>7} {'':>8} | {'CPU ms per streamed token':<44}")
     for m in rows:
         per = " ".join(f"{m.ms_per_token(n):>8.3f}" for n in names)
         router_core = m.num_tokens / m.cpu_s["router"] if m.cpu_s["router"] else float("inf")
-        print(f"{m.source:<20} {m.num_streams:>7} {m.num_tokens:>7} "
+        print(f"{m.source:<33} {m.num_streams:>7} {m.num_tokens:>7} "
               f"{m.num_tokens / m.wall_s:>8.0f} | {per} | {m.path_ms_per_token:>6.3f} | "
               f"{router_core:>17.0f} | {m.router_rss_mb:>13.0f}")
 
@@ -196,12 +205,15 @@ def main() -> None:
                         default=["proxy", "haproxy"])
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 32, 128])
     parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--ray-quiet", nargs="+", choices=["on", "off"], default=["on"],
+                        help="the clusters' ray.quiet (off: Ray's defaults)")
     parser.add_argument("--step-ms", type=float, default=10.0,
                         help="the token source's step: one token per running request each")
     args = parser.parse_args()
+    args.ray_quiet = [value == "on" for value in args.ray_quiet]
     sources = ["engine", "token-source"] if args.source == "both" else [args.source]
     rows = [m for source in sources for ingress in args.ingress
-            for m in run_cluster(source, ingress, args)]
+            for quiet in args.ray_quiet for m in run_cluster(source, ingress, quiet, args)]
     print()
     print(f"{cpu_name()}; {os.cpu_count()} cores; {PROMPT_TOKENS} prompt tokens -> "
           f"{args.output_tokens} streamed tokens per request, all streams at once; "
