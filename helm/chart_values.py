@@ -257,8 +257,9 @@ class Ray(_Values):
                                   "valueFrom.secretKeyRef).")
     quiet: bool = Field(True, description="Ray's own background work turned down on every Ray "
                         "pod (cluster/ray_quiet.py: no task records, no Ray or Ray Serve "
-                        "Prometheus metrics, the Serve controller's loop every 0.5 s): ~40 % "
-                        "less idle CPU; false: Ray's defaults.")
+                        "Prometheus metrics unless metrics.podMonitor scrapes them, the Serve "
+                        "controller's loop every 0.5 s): ~40 % less idle CPU; false: Ray's "
+                        "defaults.")
     head: Head = Field(default_factory=Head, description="The head: the Serve controller and "
                        "the HTTP proxy, never a replica (num-cpus and num-gpus \"0\").")
     autoscaler: Autoscaler = Field(default_factory=Autoscaler)

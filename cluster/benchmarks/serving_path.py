@@ -10,7 +10,8 @@ a 16-token prompt given as ids, ``ignore_eos``, exactly ``--output-tokens`` toke
 reads each process's CPU time (``/proc/<pid>/stat``, user + system) over the run and divides
 it by the tokens streamed: the router, Ray Serve's HTTP proxy, redis-server, the model replica,
 the rest of the cluster (Ray's controller, GCS, raylet and agents) and this client. The serving
-path is router + proxy + Redis. ``--ray-quiet off`` runs the clusters with Ray's defaults
+path is router + proxy + Redis. Before its runs, each cluster's CPU is read for ``--idle-s``
+with no request (by process: what the cluster costs while it serves nothing). ``--ray-quiet off`` runs the clusters with Ray's defaults
 instead of ``ray.quiet`` (``cluster/ray_quiet.py``); ``on off``, each both ways.
 
 Each ingress (``router.ingress``: Ray Serve's Python HTTP proxy, or its HAProxy ingress in
@@ -127,6 +128,47 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / TICKS_S
 
 
+def short_title(cmdline: str) -> str:
+    """A process by its Ray title (``ray::ServeController``), or its program (and script)."""
+    words = cmdline.split()
+    if not words:
+        return "?"
+    if words[0].startswith("ray::"):
+        return words[0].split(".")[0]  # ray::ServeController.listen_for_change while it waits
+    program = Path(words[0]).name
+    script = next((Path(w).name for w in words[1:] if w.endswith(".py")), "")
+    return f"{program} {script}".strip()
+
+
+def idle_cpu(seconds: float) -> dict[str, float]:
+    """CPU ms a second of each process of this benchmark's cluster (by ``short_title``, the
+    same titles summed) over ``seconds`` with no request."""
+    found = descendants(os.getpid())
+    before = {pid: cpu_seconds([pid]) for pid in found}
+    time.sleep(seconds)
+    by_title: dict[str, float] = {}
+    for pid, line in found.items():
+        title = short_title(line)
+        by_title[title] = by_title.get(title, 0.0) + (
+            cpu_seconds([pid]) - before[pid]) / seconds * 1e3
+    return by_title
+
+
+def print_idle(idle: dict[str, dict[str, float]]) -> None:
+    """Each cluster's idle CPU (columns) by process (rows, busiest first), and the total."""
+    labels = list(idle)
+    titles = sorted({t for by_title in idle.values() for t in by_title},
+                    key=lambda t: -max(by_title.get(t, 0.0) for by_title in idle.values()))
+    print(f"{'idle CPU ms/s':<40} | " + " | ".join(f"{label:>33}" for label in labels))
+    for title in titles:
+        if max(by_title.get(title, 0.0) for by_title in idle.values()) < 0.5:
+            continue
+        print(f"{title[:40]:<40} | " + " | ".join(f"{idle[label].get(title, 0.0):>33.1f}"
+                                                 for label in labels))
+    print(f"{'total':<40} | " + " | ".join(f"{sum(idle[label].values()):>33.1f}"
+                                          for label in labels))
+
+
 def rss_mb(pids: list[int]) -> float:
     (pid,) = pids
     for line in (Path("/proc") / str(pid) / "status").read_text().splitlines():
@@ -153,8 +195,9 @@ async def measure(base_url: str, key: str, model: str, source: str, num_streams:
                     rss_mb(pids["router"]))
 
 
-def run_cluster(source: str, ingress: str, quiet: bool, args: argparse.Namespace
-                ) -> list[Measured]:
+def run_cluster(source: str, ingress: str, quiet: bool, args: argparse.Namespace,
+                idle: dict[str, dict[str, float]]) -> list[Measured]:
+    """The runs of one cluster; its idle CPU by process into ``idle`` (by its label)."""
     factory = token_source_factory(args.step_ms / 1e3) if source == "token-source" else None
     label = f"{source} {ingress}" + ("" if quiet else " ray-defaults")
     with tempfile.TemporaryDirectory(prefix="fairserve-serving-path-") as state_dir:
@@ -170,6 +213,8 @@ def run_cluster(source: str, ingress: str, quiet: bool, args: argparse.Namespace
             key = add_tenant_with_key(info.redis_url, Tenant(id="bench", max_queued=10_000))
             model = settings.engine.served_model_name
             asyncio.run(measure(info.base_url, key, model, label, 1, 8))  # warm-up
+            if args.idle_s > 0:
+                idle[label] = idle_cpu(args.idle_s)
             return [asyncio.run(measure(info.base_url, key, model, label, n,
                                         args.output_tokens)) for n in args.streams]
         finally:
@@ -207,18 +252,25 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--ray-quiet", nargs="+", choices=["on", "off"], default=["on"],
                         help="the clusters' ray.quiet (off: Ray's defaults)")
+    parser.add_argument("--idle-s", type=float, default=10.0,
+                        help="seconds each cluster's idle CPU is measured after its warm-up")
     parser.add_argument("--step-ms", type=float, default=10.0,
                         help="the token source's step: one token per running request each")
     args = parser.parse_args()
     args.ray_quiet = [value == "on" for value in args.ray_quiet]
     sources = ["engine", "token-source"] if args.source == "both" else [args.source]
+    idle: dict[str, dict[str, float]] = {}
     rows = [m for source in sources for ingress in args.ingress
-            for quiet in args.ray_quiet for m in run_cluster(source, ingress, quiet, args)]
+            for quiet in args.ray_quiet
+            for m in run_cluster(source, ingress, quiet, args, idle)]
     print()
     print(f"{cpu_name()}; {os.cpu_count()} cores; {PROMPT_TOKENS} prompt tokens -> "
           f"{args.output_tokens} streamed tokens per request, all streams at once; "
           f"token source step {args.step_ms:g} ms")
     print_table(rows)
+    if idle:
+        print()
+        print_idle(idle)
     print(f"import router.server: {import_cost()}")
 
 
