@@ -136,7 +136,8 @@ def short_title(cmdline: str) -> str:
     if words[0].startswith("ray::"):
         return words[0].split(".")[0]  # ray::ServeController.listen_for_change while it waits
     program = Path(words[0]).name
-    script = next((Path(w).name for w in words[1:] if w.endswith(".py")), "")
+    script = next((Path(w).name for w in words[1:] if w.endswith(".py")), "") if (
+        program.startswith("python")) else ""
     return f"{program} {script}".strip()
 
 
