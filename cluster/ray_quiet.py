@@ -1,12 +1,12 @@
 """Ray's own background work, turned down (``ray.quiet``, on by default).
 
-An idle cluster of ``make up``'s shape took ~127 ms of CPU a second on a 2-core EPYC before any
-request (the Serve controller's loop every 0.1 s 37 ms/s and the GCS it asks 16; the router and
-the model replica 16-18 and 12-14 each, mostly Ray's core worker; Ray's proxy, HAProxy's
-manager, the dashboard agent, the log monitor and the raylet 7-10 each). On a CPU replica all of
+An idle cluster of ``make up``'s shape took 127-138 ms of CPU a second on a 2-core EPYC before
+any request (the Serve controller's loop every 0.1 s 35-37 ms/s and the GCS it asks 16; the
+router and the model replica 16-18 and 12-14 each, mostly Ray's core worker; Ray's proxy,
+HAProxy's manager, the dashboard agent, the log monitor and the raylet 7-10 each). On a CPU replica all of
 it is taken from the engine's threads, which wait for each other at every step, so a stream's
 tokens come slower for it; on a GPU node it is CPU the routers could use. With these variables
-the same idle cluster took ~78 ms/s (``docs/benchmarks.md``, "Ray's idle work").
+the same idle cluster took 78-94 ms/s (``docs/benchmarks.md``, "Ray's idle work").
 
 What is given up: Ray's task records (its dashboard's task list and timeline, ``ray list
 tasks``), the C++ event loops' own statistics, and Ray's Prometheus metrics (Ray Serve's and

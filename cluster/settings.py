@@ -181,7 +181,7 @@ class RaySettings(_Branch):
     quiet: bool = Field(
         True, description="a local Ray with its own background work turned down "
         "(cluster/ray_quiet.py: no task records, no Ray metrics, Serve's control loop every "
-        "0.5 s): an idle cluster takes ~40 % less CPU from the engine; false: Ray's defaults"
+        "0.5 s): an idle cluster takes 30-40 % less CPU from the engine; false: Ray's defaults"
     )
 
 

@@ -258,7 +258,7 @@ class Ray(_Values):
     quiet: bool = Field(True, description="Ray's own background work turned down on every Ray "
                         "pod (cluster/ray_quiet.py: no task records, no Ray or Ray Serve "
                         "Prometheus metrics unless metrics.podMonitor scrapes them, the Serve "
-                        "controller's loop every 0.5 s): ~40 % less idle CPU; false: Ray's "
+                        "controller's loop every 0.5 s): 30-40 % less idle CPU; false: Ray's "
                         "defaults.")
     head: Head = Field(default_factory=Head, description="The head: the Serve controller and "
                        "the HTTP proxy, never a replica (num-cpus and num-gpus \"0\").")
