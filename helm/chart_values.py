@@ -256,10 +256,9 @@ class Ray(_Values):
                                   "variables of every Ray container (secrets only through "
                                   "valueFrom.secretKeyRef).")
     quiet: bool = Field(True, description="Ray's own background work turned down on every Ray "
-                        "pod (cluster/ray_quiet.py: no task records, no Ray or Ray Serve "
-                        "Prometheus metrics unless metrics.podMonitor scrapes them, the Serve "
-                        "controller's loop every 0.5 s): 30-40 % less idle CPU; false: Ray's "
-                        "defaults.")
+                        "pod (cluster/ray_quiet.py: no task records, no event-loop stats, the "
+                        "Serve controller's loop every 0.5 s; Ray's metrics stay on for the "
+                        "PodMonitor): less idle CPU; false: Ray's defaults.")
     head: Head = Field(default_factory=Head, description="The head: the Serve controller and "
                        "the HTTP proxy, never a replica (num-cpus and num-gpus \"0\").")
     autoscaler: Autoscaler = Field(default_factory=Autoscaler)

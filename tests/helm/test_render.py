@@ -216,20 +216,19 @@ def test_the_haproxy_ingress_sets_ray_serves_variables_on_every_ray_pod() -> Non
 
 def test_ray_quiet_sets_the_launchers_variables_on_every_ray_pod_and_false_leaves_rays() -> None:
     """``ray.quiet`` (the default) puts on every Ray container what the launcher puts in a local
-    Ray's environment (cluster/ray_quiet.py), the same names and values, but for Ray's metrics
-    when the PodMonitor scrapes them; false: none of them."""
-    envs = ray_envs(render(values_of(None)))
-    assert len(envs) >= 3  # the head, the routers, a model group
-    for env in envs:
-        assert {name: env.get(name) for name in QUIET_ENV} == QUIET_ENV
+    Ray's environment (cluster/ray_quiet.py), the same names and values, but for Ray's metrics,
+    which stay on for the PodMonitor (with or without it: the pods do not change, see
+    test_upgrade.py); false: none of them."""
+    kept = {name: value for name, value in QUIET_ENV.items()
+            if name != "RAY_enable_metrics_collection"}
+    for values in (values_of(None), values_of(None, metrics={"podMonitor": {"enabled": True}})):
+        envs = ray_envs(render(values))
+        assert len(envs) >= 3  # the head, the routers, a model group
+        for env in envs:
+            assert {name: env.get(name) for name in QUIET_ENV} == {
+                **kept, "RAY_enable_metrics_collection": None}
     for env in ray_envs(render(values_of(None, ray={"quiet": False}))):
         assert not set(QUIET_ENV) & set(env), env
-    # Ray's own metrics stay on where the PodMonitor scrapes them (port 8080)
-    scraped = QUIET_ENV.copy()
-    del scraped["RAY_enable_metrics_collection"]
-    for env in ray_envs(render(values_of(None, metrics={"podMonitor": {"enabled": True}}))):
-        assert {name: env.get(name) for name in QUIET_ENV} == {
-            **scraped, "RAY_enable_metrics_collection": None}
 
 
 def test_embedded_redis_is_durable_and_never_evicts() -> None:

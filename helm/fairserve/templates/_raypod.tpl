@@ -147,15 +147,12 @@ spec:
         {{- end }}
         {{- if $v.ray.quiet }}
         # ray.quiet (cluster/ray_quiet.py): Ray's own background work turned down; Ray's
-        # metrics stay on where the PodMonitor scrapes them
+        # metrics stay on (port 8080, what the PodMonitor scrapes: turning that on must not
+        # change the pods and so rebuild the Ray cluster)
         - name: RAY_enable_task_events
           value: "0"
         - name: RAY_event_stats
           value: "0"
-        {{- if not $v.metrics.podMonitor.enabled }}
-        - name: RAY_enable_metrics_collection
-          value: "0"
-        {{- end }}
         - name: RAY_SERVE_CONTROL_LOOP_INTERVAL_S
           value: "0.5"
         - name: RAY_SERVE_METRICS_EXPORT_INTERVAL_MS
