@@ -13,8 +13,8 @@ tasks``), the C++ event loops' own statistics, and Ray's Prometheus metrics (Ray
 Ray's; fairserve's ``/metrics`` is its own and stays); the Serve controller notices a change (a
 replica up or gone, a scaling decision) up to 0.5 s later instead of 0.1 s. ``ray.quiet: false``
 keeps Ray's defaults. The launcher sets these for a local Ray; the chart sets them on every
-Ray pod (``ray.quiet`` there), but for Ray's metrics, which stay on there for its PodMonitor. Ray's
-processes read them when they start.
+Ray pod (``ray.quiet`` there), but for Ray's metrics, which stay on there for its PodMonitor.
+Ray's processes read them when they start.
 """
 
 from __future__ import annotations
