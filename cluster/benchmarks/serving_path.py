@@ -11,8 +11,10 @@ reads each process's CPU time (``/proc/<pid>/stat``, user + system) over the run
 it by the tokens streamed: the router, Ray Serve's HTTP proxy, redis-server, the model replica,
 the rest of the cluster (Ray's controller, GCS, raylet and agents) and this client. The serving
 path is router + proxy + Redis. Before its runs, each cluster's CPU is read for ``--idle-s``
-with no request (by process: what the cluster costs while it serves nothing). ``--ray-quiet off`` runs the clusters with Ray's defaults
-instead of ``ray.quiet`` (``cluster/ray_quiet.py``); ``on off``, each both ways.
+with no request (by process: what the cluster costs while it serves nothing). ``--ray-quiet
+off`` runs the clusters with Ray's defaults instead of ``ray.quiet``
+(``cluster/ray_quiet.py``); ``on off``, each both ways. A process that exits during a run
+(HAProxy replaced by a reload) counts for what it used until it was last seen.
 
 Each ingress (``router.ingress``: Ray Serve's Python HTTP proxy, or its HAProxy ingress in
 front of the routers' own HTTP ports; ``cluster/ingress.py``) and each source of tokens gets a
@@ -117,15 +119,34 @@ def find_processes() -> dict[str, list[int]]:
     return pids
 
 
+def cpu_of(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used; None once it is gone."""
+    try:
+        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICKS_S  # utime, stime
+
+
 def cpu_seconds(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone during the run (a short-lived helper): its time is not counted
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / TICKS_S
+    """CPU seconds the live ones of ``pids`` have used."""
+    return sum(cpu_of(pid) or 0.0 for pid in pids)
+
+
+class CpuSince:
+    """What each of a set of processes used since this was made; one that exits meanwhile
+    counts for what it had used when last read (never less than at the start)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.last = {pid: cpu_of(pid) or 0.0 for pid in pids}
+        self.first = dict(self.last)
+
+    def used(self) -> float:
+        for pid in self.last:
+            now = cpu_of(pid)
+            if now is not None:
+                self.last[pid] = now
+        return sum(self.last[pid] - self.first[pid] for pid in self.last)
 
 
 def short_title(cmdline: str) -> str:
@@ -145,13 +166,12 @@ def idle_cpu(seconds: float) -> dict[str, float]:
     """CPU ms a second of each process of this benchmark's cluster (by ``short_title``, the
     same titles summed) over ``seconds`` with no request."""
     found = descendants(os.getpid())
-    before = {pid: cpu_seconds([pid]) for pid in found}
+    since = {pid: CpuSince([pid]) for pid in found}
     time.sleep(seconds)
     by_title: dict[str, float] = {}
     for pid, line in found.items():
         title = short_title(line)
-        by_title[title] = by_title.get(title, 0.0) + (
-            cpu_seconds([pid]) - before[pid]) / seconds * 1e3
+        by_title[title] = by_title.get(title, 0.0) + since[pid].used() / seconds * 1e3
     return by_title
 
 
@@ -185,12 +205,12 @@ async def measure(base_url: str, key: str, model: str, source: str, num_streams:
                for i in range(num_streams)]
     limits = httpx.Limits(max_connections=num_streams + 8)
     async with httpx.AsyncClient(timeout=900, limits=limits) as http:
-        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        since = {name: CpuSince(group) for name, group in pids.items()}
         client_before = time.process_time()
         run = await run_http(http, f"{base_url}/completions",
                              {"Authorization": f"Bearer {key}"}, source, prompts,
                              num_streams, num_tokens, model)
-        cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+        cpu = {name: used.used() for name, used in since.items()}
         cpu["client"] = time.process_time() - client_before
     return Measured(source, num_streams, num_streams * num_tokens, run.wall_s, cpu,
                     rss_mb(pids["router"]))
