@@ -251,38 +251,73 @@ class StreamMux:
                                    stream_key, waiter.last)
                     waiter.last = START
 
+    def _read_points(self) -> dict[str, str]:
+        """Each stream waited on in the shared read, from its least advanced waiter."""
+        streams = {}
+        for key, waiters in self._waiters.items():
+            if len(waiters) == 1:  # the common case: one client per stream
+                if not waiters[0].lagging:
+                    streams[key] = waiters[0].last
+            elif any(not w.lagging for w in waiters):
+                streams[key] = min((w.last for w in waiters if not w.lagging), key=_id_key)
+        return streams
+
     async def _read_forever(self, reader: aioredis.Redis) -> None:
+        # NOTE: the reply as Redis sends it (no redis-py parsing into tuples and dicts): this
+        # read runs once per engine step with every stream of the router in it
+        reader.set_response_callback("XREAD", _raw_reply)
         while not self._is_stopping:
             self._changed.clear()
-            streams: Any = {key: min((w.last for w in ws if not w.lagging), key=_id_key)
-                            for key, ws in self._waiters.items()
-                            if any(not w.lagging for w in ws)}
+            streams = self._read_points()
             if not streams:  # nobody waits, or only waiters that catch up by themselves
                 await self._changed.wait()
                 continue
             self._num_reads += 1
             self._is_blocked = True
             try:
-                reply: Any = await reader.xread(streams, count=READ_BATCH, block=READ_BLOCK_MS)
+                reply: Any = await reader.execute_command(
+                    "XREAD", "COUNT", READ_BATCH, "BLOCK", READ_BLOCK_MS, "STREAMS",
+                    *streams, *streams.values())
             finally:
                 self._is_blocked = False
-            for raw_key, entries in reply or []:
+            # RESP3 replies with a map of stream to entries, RESP2 with [stream, entries] pairs
+            for raw_key, entries in (reply.items() if isinstance(reply, dict) else reply or ()):
                 key = raw_key.decode()
-                self._deliver(key, _id_key(streams[key]), entries)
+                self._deliver(key, streams[key], entries)
 
-    def _deliver(self, stream_key: str, start: tuple[int, int], entries: list[Any]) -> None:
+    def _deliver(self, stream_key: str, start: str, entries: list[Any]) -> None:
+        """A read's entries (``[id, [field, value, ...]]``) to the waiters of their stream."""
+        start_key: tuple[int, int] | None = None
         for waiter in self._waiters.get(stream_key, []):
-            position = _id_key(waiter.last)
-            if waiter.lagging or position < start:  # joined during this read: it would miss
-                continue                             # what lies between
+            if waiter.lagging:
+                continue
+            # a waiter read from where it stands takes every entry; one further on skips what
+            # it has; one that joined during this read (behind it) would miss what lies
+            # between, and waits for the next
+            position = None if waiter.last == start else _id_key(waiter.last)
+            if position is not None:
+                start_key = start_key or _id_key(start)
+                if position < start_key:
+                    continue
+            queue, last = waiter.queue, waiter.last
             for raw_id, fields in entries:
                 event_id = raw_id.decode()
-                if _id_key(event_id) <= position:
+                if position is not None and _id_key(event_id) <= position:
                     continue
-                if waiter.queue.qsize() >= MAX_BUFFERED:
+                if queue.qsize() >= MAX_BUFFERED:
                     waiter.lagging = True  # the rest it reads from the stream (_catch_up)
                     break
-                waiter.queue.put_nowait(StreamEvent(event_id, fields[b"type"].decode(),
-                                                    fields[b"data"].decode()))
-                waiter.last = event_id
-                waiter.heard_s = time.monotonic()
+                queue.put_nowait(_event(event_id, fields))
+                last = event_id
+            if last != waiter.last:
+                waiter.last, waiter.heard_s = last, time.monotonic()
+
+
+def _raw_reply(response: Any, **options: Any) -> Any:
+    return response
+
+
+def _event(event_id: str, fields: list[bytes]) -> StreamEvent:
+    """A stream entry's event from its flat field list (``type``, ``data``, in any order)."""
+    values = dict(zip(fields[::2], fields[1::2], strict=True))
+    return StreamEvent(event_id, values[b"type"].decode(), values[b"data"].decode())

@@ -8,6 +8,8 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
+import pytest
+
 from router.dispatch import response_events
 from router.dispatch.stream_mux import MAX_BUFFERED, READ_BLOCK_MS, StreamMux
 from router.dispatch.streams import AppendBatcher, Event, ReadPoint
@@ -23,9 +25,10 @@ POOL = 8
 
 
 @contextlib.asynccontextmanager
-async def running_mux(redis_url: str) -> AsyncIterator[StreamMux]:
-    """A started multiplexer on its own small pool, stopped after."""
-    client = connect(redis_url, max_connections=POOL)
+async def running_mux(redis_url: str, protocol: int = 3) -> AsyncIterator[StreamMux]:
+    """A started multiplexer on its own small pool (RESP3, redis-py's default, or RESP2),
+    stopped after."""
+    client = connect(redis_url, max_connections=POOL, protocol=protocol)
     mux = StreamMux(client)
     mux.start()
     try:
@@ -84,11 +87,13 @@ def test_a_new_reader_does_not_wait_for_the_blocked_read(redis_url) -> None:
     run(scenario())
 
 
-def test_two_readers_of_one_stream_each_get_every_event_once(redis_url) -> None:
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_two_readers_of_one_stream_each_get_every_event_once(redis_url, protocol) -> None:
+    """Under either protocol (the mux reads XREAD's reply as Redis sends it)."""
     async def scenario() -> None:
         async with harness(redis_url) as h:
             (grant,) = await _grants(h, 1)
-            async with running_mux(redis_url) as mux:
+            async with running_mux(redis_url, protocol) as mux:
                 await h.streams.append(grant.lease, [Event("chunk", "a"), Event("chunk", "b")])
                 early = mux.read("acme", grant.request_id)
                 seen_early = [(await anext(early)).data, (await anext(early)).data]
