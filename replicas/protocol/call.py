@@ -125,6 +125,9 @@ class ReplicaCall:
     resume: tuple[CallResume, ...] = ()
     trace: dict[str, str] | None = None
     adapter: CallAdapter | None = None  # a LoRA adapter of the model; None: the base model
+    # replicas an earlier attempt of this request left (stalled, unreachable): the request
+    # router passes over them while another can take the call (``PrefixAffinityRouter``)
+    avoid: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,9 @@ requests each replica holds: the larger of Ray's queue-length cache and this rou
 of what it placed there and has not seen finish, ``OwnLoads``). Otherwise, and when two replicas
 match equally, the less loaded is taken (ties: at random); nothing matched: the power of two
 choices (the less loaded of two at random, on the same loads). A replica that cannot take the
-request (full) makes Ray try the next rank: the other candidates, least loaded first.
+request (full) makes Ray try the next rank: the other candidates, least loaded first. A
+request that moved away from a replica (stalled, unreachable: ``ReplicaCall.avoid``) is not
+ranked there again while another replica is a candidate.
 
 A request of a LoRA adapter that no prefix matched goes, by the same rule, to a replica that
 holds the adapter (it published it as loaded, or this router sent it one of its requests lately:
@@ -254,6 +256,10 @@ class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRout
                               ) -> list[list[RunningReplica]]:
         hashes = self._hashes(pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        call = self._call(pending_request)
+        if call is not None and call.avoid:  # replicas an earlier attempt left, while others
+            rest = {rid: r for rid, r in by_id.items() if rid not in call.avoid}  # can serve
+            by_id = rest or by_id
         if not by_id:
             return []
         loads = {rid: max(self._queue_len(r) or 0, self.own_loads.count(rid))
@@ -265,7 +271,6 @@ class PrefixAffinityRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRout
                        for rid, r in by_id.items()}
             order = rank_by_affinity(matches, loads, self.min_match_blocks, self.max_imbalance,
                                      self._rng)
-        call = self._call(pending_request)
         if order is None and call is not None and call.adapter is not None and len(by_id) > 1:
             holders = {rid: int(self._holds(r, call.adapter.name)) for rid, r in by_id.items()}
             order = rank_by_affinity(holders, loads, 1, self.max_imbalance, self._rng)

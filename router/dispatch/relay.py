@@ -17,7 +17,10 @@ and thaws later; then it calls a replica again with the same request, a new writ
 ``min_tokens``, penalties, seeded draws by position and the grammar all count them) and how
 much of their text went out. The engine continues from there and sends only what follows
 (``replicas/torch_engine/engine_core.py``); the client sees one unbroken stream, and one usage that
-counts each token once. Appends are also fenced by position (``router/state/scripts/
+counts each token once. The call also names the replicas the request left (``avoid``), which
+the request router passes over while another can take it: a frozen replica looks idle and
+holds the prompt's blocks, so it would be chosen again, and Ray Serve drops it only when its
+health checks fail, a minute or more later. Appends are also fenced by position (``router/state/scripts/
 append.lua``), so a token is never written twice. A request migrates at most
 ``max_migrations`` times; after that it ends with an error event (or, if nothing was sent,
 goes back to its queue). Each migration is counted (``fairserve_migrations_total``) and traced
@@ -83,6 +86,7 @@ ACCEPT_TIMEOUT_S = 180.0  # no replica took the call (all dead, one restarting):
 REDIS_OUTAGE_S = 30.0  # a write to Redis is retried this long (a restart) before giving up
 REDIS_RETRY_S = 0.5
 MIGRATION_BACKOFF_S = (0.2, 0.5, 1.0, 2.0)
+MAX_LEFT = 8  # the replicas a request remembers moving away from
 
 
 class ReplicaStream(Protocol):
@@ -122,6 +126,7 @@ class Running:
     finals: dict[int, CallReport] = field(default_factory=dict)  # choice -> its end
     migrations: int = 0
     replica_id: str | None = None
+    left: list[str] = field(default_factory=list)  # replicas it moved away from, the last few
 
 
 def lose_lease(running: Running) -> None:
@@ -133,6 +138,13 @@ def lose_lease(running: Running) -> None:
     running.is_lease_lost = True
     if running.stream is not None:
         running.stream.cancel()
+
+
+def _leave(running: Running) -> None:
+    """The replica the attempt ran on is one the request moves away from: its next call asks
+    the request router to pass over it (the NOTE on migration)."""
+    if running.replica_id is not None and running.replica_id not in running.left:
+        running.left = [*running.left, running.replica_id][-MAX_LEFT:]
 
 
 def _lease_lost(running: Running) -> LeaseLostError:
@@ -211,7 +223,8 @@ class Relay:
             cache_salt=grant.cache_salt,
             resume=running.progress.resume(),
             trace=carrier(running.span) if running.span is not None else None,
-            adapter=CallAdapter(*body["adapter"]) if body.get("adapter") else None)
+            adapter=CallAdapter(*body["adapter"]) if body.get("adapter") else None,
+            avoid=tuple(running.left))
         running.replica_id = None
         if call.adapter is not None and running.span is not None:
             running.span.set_attribute("fairserve.lora_adapter", call.adapter.name)
@@ -219,10 +232,14 @@ class Relay:
             reason = _CANCELLED if running.is_cancel_requested else await self._follow(running,
                                                                                      call)
             if reason != _CANCELLED:
+                if reason != _STREAM_GAP:  # a Redis failover: the replica was not at fault
+                    _leave(running)
                 return reason
         except ReplicaUnavailableError as exc:
+            _leave(running)
             return f"replica unavailable: {exc.message}"
         except _Stalled as exc:
+            _leave(running)
             return f"stalled: {exc}"
         except ReplicaFailedError as exc:
             await self._read_back(running)

@@ -181,3 +181,34 @@ def test_an_adapters_request_goes_to_a_replica_holding_it_unless_that_one_is_ove
         call, adapter=CallAdapter("fresh"))], metadata=SimpleNamespace(internal_request_id="s")),
         SimpleNamespace(unique_id="c"), None)
     assert router._holds(replicas[2], "fresh") and not router._holds(replicas[0], "fresh")
+
+
+def test_a_call_that_left_a_replica_is_not_ranked_there_while_another_can_take_it() -> None:
+    """A frozen replica looks idle and holds the prompt's blocks: the request that moved away
+    from it would be ranked there first again, and wait until Ray Serve's health checks drop
+    it. ``avoid`` keeps it off every rank, unless it is the only candidate."""
+    router = object.__new__(PrefixAffinityRouter)
+    router.initialize_state(block_size=BS)
+    router._queue_len = lambda replica: None
+
+    def replica(rid: str) -> SimpleNamespace:
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=rid), routing_stats={})
+
+    frozen, busy = replica("frozen"), replica("busy")
+    call = ReplicaCall("r.1.0", tuple(range(4 * BS)), CallSampling(max_tokens=4),
+                       CallStream("t", "r", "router-1", 1, "1.0"))
+    pending = SimpleNamespace(args=[call], metadata=SimpleNamespace(internal_request_id="r"))
+    router.on_request_routed(pending, SimpleNamespace(unique_id="frozen"), None)
+    router.own_loads.completed("r")
+    for i in range(4):  # the other replica is busier
+        router.own_loads.routed(f"b{i}", "busy")
+
+    def ranks(the_call: ReplicaCall, candidates: list) -> list[list[str]]:
+        moved = SimpleNamespace(args=[the_call], metadata=SimpleNamespace(internal_request_id="m"))
+        return [[r.replica_id.unique_id for r in rank]
+                for rank in asyncio.run(router.choose_replicas(candidates, moved))]
+
+    assert ranks(call, [frozen, busy])[0] == ["frozen"]  # its blocks, and idle: first
+    left = dataclasses.replace(call, avoid=("frozen",))
+    assert ranks(left, [frozen, busy]) == [["busy"], []]
+    assert ranks(left, [frozen]) == [["frozen"], []]  # the only one: still tried

@@ -264,6 +264,7 @@ def test_a_stream_gap_halt_moves_the_request(redis_url) -> None:
             running, _ = await relay_run(h, grant, replicas)
             assert running.migrations == 1
             assert token_ids(await stream_of(h, grant)) == [1, 2]
+            assert replicas.calls[1].avoid == ()  # a lost stream is Redis's doing, not rep-1's
 
     run(scenario())
 
@@ -284,6 +285,8 @@ def test_a_replica_that_stops_reporting_is_stalled_cancelled_and_the_request_mov
             assert time.monotonic() - started >= FAST.stall_timeout_s
             assert [reason for _, reason in migrations] == ["stalled"]
             assert token_ids(await stream_of(h, grant)) == [1, 2]
+            # the second call asks the request router to pass over the stalled replica
+            assert [c.avoid for c in replicas.calls] == [(), ("rep-1",)]
             assert (await h.queues.get("t", "r1")).state is RequestState.COMPLETED
 
     run(scenario())
