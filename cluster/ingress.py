@@ -25,6 +25,12 @@ ROUTER_PORTS = 64  # ports each cluster's routers may take (Ray quarantines a fr
 # One cluster's ports (``cluster/ports.py``): HAProxy's metrics and stats, then the routers'
 # HTTP and gRPC ranges.
 BLOCK = 2 + 2 * (ROUTER_PORTS + 1)
+# A stopping router stays reachable this long before it closes its port (then waits for its
+# open streams, however long they take). Ray's default, 30 s, is for a load balancer outside
+# Ray to deregister it; the one in front here is Ray's own HAProxy, which its manager reloads
+# within a second or two of the change, and retries a refused connection on another router.
+# At 30 s every `fairserve down` and redeploy waited half a minute for an idle router.
+DEREGISTER_S = 5.0
 
 
 def ingress_files(env: dict[str, str]) -> Path | None:
@@ -54,4 +60,5 @@ def ingress_env(settings: FairserveSettings) -> dict[str, str]:
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http + ROUTER_PORTS),
         "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc),
         "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc + ROUTER_PORTS),
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": f"{DEREGISTER_S:g}",
     }

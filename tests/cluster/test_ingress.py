@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from cluster.ingress import ingress_env, ingress_files
+from cluster.ingress import DEREGISTER_S, ingress_env, ingress_files
 from cluster.ray_quiet import QUIET_ENV
 from cluster.settings import load_settings
 from tests.chaos.factories import MODEL, StreamResult, pids_titled, start, stream_chat
@@ -122,6 +122,9 @@ def test_haproxy_ingress_is_the_default_holds_the_port_and_serves_the_api(tmp_pa
         for title in ("ray::ServeController", "ServeReplica:fairserve:Router"):
             env = ray_environment(title, up.process.pid)
             assert {name: env.get(name) for name in QUIET_ENV} == QUIET_ENV, title
+        # a stopping router closes its port after HAProxy's reload, not Ray's 30 s
+        env = ray_environment("ServeReplica:fairserve:Router", up.process.pid)
+        assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == f"{DEREGISTER_S:g}"
     finally:
         up.stop()
     assert not files.exists()  # removed with the cluster
