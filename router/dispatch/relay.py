@@ -20,11 +20,11 @@ much of their text went out. The engine continues from there and sends only what
 counts each token once. The call also names the replicas the request left (``avoid``), which
 the request router passes over while another can take it: a frozen replica looks idle and
 holds the prompt's blocks, so it would be chosen again, and Ray Serve drops it only when its
-health checks fail, a minute or more later. Appends are also fenced by position (``router/state/scripts/
-append.lua``), so a token is never written twice. A request migrates at most
-``max_migrations`` times; after that it ends with an error event (or, if nothing was sent,
-goes back to its queue). Each migration is counted (``fairserve_migrations_total``) and traced
-(a ``fairserve.migration`` span).
+health checks fail, a minute or more later. Appends are also fenced by position
+(``router/state/scripts/append.lua``), so a token is never written twice. A request migrates
+at most ``max_migrations`` times; after that it ends with an error event (or, if nothing was
+sent, goes back to its queue). Each migration is counted (``fairserve_migrations_total``) and
+traced (a ``fairserve.migration`` span).
 
 What triggers one: the replica's stream failing (the actor died, was killed at the end of a
 graceful drain that outlasted its timeout, or cannot be reached), the replica losing Redis for
