@@ -63,6 +63,10 @@ def _server(binary: str, directory: Path, *args: str) -> subprocess.Popen[bytes]
                              str(directory / "redis.log")], stdin=subprocess.DEVNULL)
 
 
+def _is_down(state: dict) -> bool:
+    return bool(state.get("is_sdown") or state.get("is_odown") or not state.get("is_master"))
+
+
 def wait_until(what: str, check: Callable[[], object], timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     last: object = None
@@ -103,6 +107,10 @@ def sentinel_servers(directory: Path, num_replicas: int = 1) -> Iterator[Servers
         sentinel = redis.Redis(port=sentinel_port)
         wait_until("the sentinel's view of the replicas",
                    lambda: len(sentinel.sentinel_slaves(SERVICE)) == num_replicas)
+        # and of the primary, up: a client asking for it meanwhile finds no master (a primary
+        # slow to answer for DOWN_AFTER_MS under the suite's load is marked down until it does)
+        wait_until("the sentinel's view of the primary, up",
+                   lambda: not _is_down(sentinel.sentinel_master(SERVICE)))
         data_servers = dict(zip([primary_port, *replica_ports], processes, strict=False))
         yield Servers(processes[0], primary_port, replica_ports, sentinel_port, data_servers)
     finally:
