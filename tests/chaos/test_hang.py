@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.e2e]
 # what tells the relay that it works (a layer takes ~0.15 s); a frozen replica reports nothing
 STALL_TIMEOUT_S = 2.5
 PREFILL_CHUNK = 512
+FROZEN_WAIT_S = 60.0  # the stall timeout, a migration and the rest of 16 streams, with margin
 
 
 def hang_settings() -> dict:
@@ -60,8 +61,14 @@ async def freeze_a_replica(base: str, key: str, up_pid: int) -> list[StreamResul
         await wait_for_tokens(results, min_chars=8, timeout_s=120)
         (victim, *_) = pids_titled(REPLICA_TITLE, up_pid)
         kill(victim, signal.SIGSTOP)
+        frozen_at = time.monotonic()
         try:
             await asyncio.gather(*tasks)
+            # no moved request went back to the frozen replica (``ReplicaCall.avoid``): one that
+            # did waited for Ray Serve's health checks to drop it, ~100 s here (all were done
+            # within ~7 s of the freeze otherwise)
+            waited_s = time.monotonic() - frozen_at
+            assert waited_s < FROZEN_WAIT_S, f"streams ended {waited_s:.0f} s after the freeze"
         finally:
             kill(victim, signal.SIGCONT)
     return results
